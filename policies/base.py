@@ -1,0 +1,110 @@
+"""The policy contract: what every scheduling policy answers, and nothing more.
+
+Engines (the gateway dispatcher, the simulator) only call these methods; they never ask which
+policy they hold. A policy is a dataclass of typed parameters. Policies with state across jobs
+(fair-share counters) keep it in fields that `fresh()` rebuilds, so the configured object is a
+template and every run (a gateway process, one simulation) works on its own copy.
+
+Time is a number passed in (seconds of the engine's clock); sizes are tokens. Nothing here
+reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Self
+
+from policies.job import Job
+
+Key = tuple[float, ...]
+"""A sort key: lower is served first. The queue breaks ties on (arrival, id)."""
+
+
+def param(default: Any, help: str) -> Any:
+    """A policy parameter with its help text (shown by `sagesched policies`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def state(factory: Any) -> Any:
+    """Per-run mutable state: excluded from parameters, rebuilt by `fresh()`."""
+    return dataclasses.field(default_factory=factory, init=False, repr=False, compare=False)
+
+
+@dataclasses.dataclass(eq=False)
+class Policy:
+    """Base class of every policy. Subclasses are dataclasses registered by name.
+
+    Class attributes answer the engine's questions:
+    - `name`, `description`: stable identifier (CLI, metric label, report) and one line.
+    - `needs_prediction`: the job must carry `dist` (a predicted length distribution).
+    - `needs_oracle`: the job must carry `true_output_tokens` (simulation and studies only).
+    - `revalidate_on_pop`: the key may *rise* while a job waits (shared counters move); the
+      stored key is a lower bound and the queue recomputes the head before handing it out.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    needs_prediction: ClassVar[bool] = False
+    needs_oracle: ClassVar[bool] = False
+    revalidate_on_pop: ClassVar[bool] = False
+
+    preemptive: bool = dataclasses.field(default=False, init=False)
+    """May a waiting job displace a running one? Subclasses may make it a parameter."""
+
+    # -- ordering -----------------------------------------------------------------------
+
+    def key(self, job: Job, now: float) -> Key:
+        """Sort key of `job` at time `now`; lower is served first.
+
+        Called when the job is queued, when it reaches a review point, and (for preemptive
+        policies) for running jobs when the engine looks for a victim. Must be deterministic.
+        """
+        raise NotImplementedError
+
+    def next_review(self, job: Job) -> int | None:
+        """Generated-token count at which `job`'s key must be recomputed, or None if never.
+
+        Engines count streamed tokens and rekey when `job.generated` reaches this value.
+        """
+        return None
+
+    def review_at(self, job: Job) -> float | None:
+        """Engine time at which a *waiting* job's key must be recomputed, or None if never."""
+        return None
+
+    def can_be_preempted(self, job: Job) -> bool:
+        """May this running job be displaced now? Only asked when `preemptive` is true."""
+        return self.preemptive
+
+    # -- lifecycle hooks (no-ops unless a policy keeps state) ---------------------------
+
+    def on_admit(self, job: Job, now: float) -> None:
+        """The job entered the system (before its first push into the queue)."""
+
+    def on_start(self, job: Job, now: float) -> None:
+        """The job was handed to a backend (also after a requeue)."""
+
+    def on_progress(self, job: Job, new_tokens: int, now: float) -> None:
+        """`new_tokens` more output tokens were generated; `job.generated` already counts them."""
+
+    def on_finish(self, job: Job, now: float) -> None:
+        """The job left the system for good (completed, failed, dropped or cancelled)."""
+
+    # -- runs and parameters ------------------------------------------------------------
+
+    def fresh(self) -> Self:
+        """A copy with the same parameters and empty per-run state."""
+        return type(self)(**self.params())
+
+    def params(self) -> dict[str, Any]:
+        """The policy's parameters (init fields) as a plain dict."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def label(self) -> str:
+        """`name` plus any non-default parameters, e.g. `sagesched:cost=tokens`."""
+        changed = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if f.init and getattr(self, f.name) != f.default
+        ]
+        return self.name + (":" + ",".join(changed) if changed else "")

@@ -1,0 +1,109 @@
+"""`Scheduler`: the one place that drives a policy through a job's life.
+
+Both the gateway dispatcher (wall clock) and the simulator (virtual clock) own one
+`Scheduler`; it holds the run's copy of the policy, the waiting queue and the running set,
+and calls the policy hooks in a fixed order:
+
+    admit → on_admit, push          dispatch → pop, on_start
+    progress → on_progress, review  requeue → push again (after preemption or retry)
+    finish / cancel → on_finish
+
+so simulated and live runs make the same decisions for the same inputs.
+"""
+
+from __future__ import annotations
+
+from policies.base import Key, Policy
+from policies.job import Job
+from policies.queue import PolicyQueue
+
+
+class Scheduler:
+    """Queue plus running set for one run. Not thread-safe: one event loop or one simulation."""
+
+    __slots__ = ("_review", "policy", "queue", "running")
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy.fresh()
+        self.queue = PolicyQueue(self.policy)
+        self.running: dict[int, Job] = {}
+        self._review: dict[int, tuple[int | None, Key]] = {}  # running id -> (review at, key)
+
+    def check(self, job: Job) -> None:
+        """Raise ValueError if the policy cannot order `job` (missing prediction/oracle)."""
+        if self.policy.needs_prediction and job.dist is None:
+            raise ValueError(f"policy {self.policy.name} needs a predicted length for job {job.id}")
+        if self.policy.needs_oracle and job.true_output_tokens is None:
+            raise ValueError(f"policy {self.policy.name} needs the true length of job {job.id}")
+
+    def admit(self, job: Job, now: float) -> Key:
+        """A new job arrives: it waits in the queue. Returns its key."""
+        self.check(job)
+        self.policy.on_admit(job, now)
+        return self.queue.push(job, now)
+
+    def dispatch(self, now: float) -> Job | None:
+        """A backend slot is free: hand out the best waiting job (None if none waits)."""
+        job = self.queue.pop(now)
+        if job is not None:
+            self.running[job.id] = job
+            self.policy.on_start(job, now)
+            self._review[job.id] = (self.policy.next_review(job), self.policy.key(job, now))
+        return job
+
+    def progress(self, job: Job, new_tokens: int, now: float) -> bool:
+        """A running job generated `new_tokens` more tokens. True if its key was recomputed."""
+        job.generated += new_tokens
+        self.policy.on_progress(job, new_tokens, now)
+        review = self._review.get(job.id)
+        if review is None or review[0] is None or job.generated < review[0]:
+            return False
+        self._review[job.id] = (self.policy.next_review(job), self.policy.key(job, now))
+        return True
+
+    def requeue(self, job: Job, now: float, *, preempted: bool) -> Key:
+        """A running job goes back to waiting (preempted, or its backend failed)."""
+        self._stop(job)
+        if preempted:
+            job.preemptions += 1
+        return self.queue.push(job, now)
+
+    def finish(self, job: Job, now: float) -> None:
+        """The job left the system (done, failed or cancelled), wherever it was."""
+        if job.id in self.running:
+            self._stop(job)
+        else:
+            self.queue.remove(job)
+        self.policy.on_finish(job, now)
+
+    def running_key(self, job: Job) -> Key:
+        """A running job's key as of its last review point."""
+        return self._review[job.id][1]
+
+    def preemption_victim(self, now: float, margin: float = 0.0) -> Job | None:
+        """The running job the best waiting one should displace, or None.
+
+        Only preemptive policies preempt, and only jobs the policy lets go (`can_be_preempted`).
+        The waiting job must beat the worst running key; with `margin` > 0 its primary key must
+        be lower by that fraction of the victim's (hysteresis against flapping).
+        """
+        if not self.policy.preemptive or not self.running:
+            return None
+        best = self.queue.peek(now)
+        if best is None:
+            return None
+        best_key = self.queue.key_of(best)
+        candidates = [j for j in self.running.values() if self.policy.can_be_preempted(j)]
+        if not candidates:
+            return None
+        victim = max(candidates, key=lambda j: (self.running_key(j), j.arrival_s, j.id))
+        worst_key = self.running_key(victim)
+        if not best_key < worst_key:
+            return None
+        if margin > 0 and best_key[0] > worst_key[0] - margin * abs(worst_key[0]):
+            return None
+        return victim
+
+    def _stop(self, job: Job) -> None:
+        del self.running[job.id]
+        self._review.pop(job.id, None)

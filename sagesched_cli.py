@@ -1,0 +1,40 @@
+"""The `sagesched` console script: a thin dispatcher over the four packages.
+
+Each subcommand lives in its package's `cli` module and is imported only when asked for, so
+`sagesched policies` never loads torch or aiohttp.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "policies": ("policies.cli", "list the scheduling policy catalog"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: sagesched COMMAND [options]", "", "commands:"]
+    width = max(len(c) for c in COMMANDS)
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `sagesched COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"sagesched: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    result: int = module.main(rest, prog=f"sagesched {name}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
