@@ -11,6 +11,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "policies": ("policies.cli", "list the scheduling policy catalog"),
+    "traces": ("loadgen.traces.cli", "list trace sources, frozen windows and their knees"),
 }
 
 

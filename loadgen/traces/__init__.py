@@ -22,7 +22,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from loadgen.schema import TraceRequest, Window
-from loadgen.traces import lssp as _lssp  # noqa: F401  (registers the lssp-* sources)
+
+# Importing a reader module registers its sources (registry order: this import order).
+from loadgen.traces import azure, bailian, burstgpt, lssp, servegen  # noqa: F401
 from loadgen.traces.registry import (
     SHARED_DATA_ENV,
     Source,

@@ -21,16 +21,14 @@ The package ships a copy in `loadgen/data/lssp/` (requests without `source_recor
 from __future__ import annotations
 
 import csv
-import gzip
-import lzma
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 from loadgen.schema import TraceRequest, Window
 from loadgen.traces.registry import (
     SourceInfo,
     TraceDataMissing,
+    open_text,
     package_data_dir,
     register_source,
 )
@@ -50,15 +48,6 @@ _DESCRIPTIONS = {
     "lssp-bailian": "LSSP frozen windows, Bailian qwen traceB (40 x 200)",
     "lssp-burstgpt": "LSSP frozen windows, BurstGPT v2.0 without fails (40 x 200)",
 }
-
-
-def open_text(path: Path) -> IO[str]:
-    """Open a text file, decompressing `.gz` / `.xz` by suffix."""
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", newline="")
-    if path.suffix == ".xz":
-        return lzma.open(path, "rt", newline="")
-    return path.open(newline="")
 
 
 def _find(folder: Path, names: list[str]) -> Path:

@@ -13,10 +13,12 @@ Data locations:
 
 from __future__ import annotations
 
+import gzip
+import lzma
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import IO, Protocol, TypeVar
 
 from loadgen.schema import TraceRequest, Window
 
@@ -60,6 +62,15 @@ def user_file(path: Path | None, source: str, what: str) -> Path:
     if not path.exists():
         raise TraceDataMissing(f"source {source!r}: {path} not found")
     return path
+
+
+def open_text(path: Path) -> IO[str]:
+    """Open a text file, decompressing `.gz` / `.xz` by suffix."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", newline="")
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt", newline="")
+    return path.open(newline="")
 
 
 def package_data_dir() -> Path:
