@@ -24,7 +24,7 @@ from pathlib import Path
 from loadgen.schema import TraceRequest, Window
 
 # Importing a reader module registers its sources (registry order: this import order).
-from loadgen.traces import azure, bailian, burstgpt, lssp, servegen  # noqa: F401
+from loadgen.traces import azure, bailian, burstgpt, frozen, lssp, servegen  # noqa: F401
 from loadgen.traces.registry import (
     SHARED_DATA_ENV,
     Source,
@@ -54,6 +54,20 @@ def load_requests(source: str, path: Path | None = None) -> list[TraceRequest]:
     `path` overrides the shared or shipped file; sources with `needs_path` require it.
     """
     return get_source(source).load_requests(path)
+
+
+def shipped_windows(source: str) -> list[Window]:
+    """The windows shipped inside the package for `source` ([] if none ship).
+
+    `lssp-*`: all frozen windows; sources in `loadgen.traces.frozen.FROZEN_SPEC`: their frozen
+    sample. Needs nothing outside the repository.
+    """
+    get_source(source)  # KeyError for unknown names
+    if source in lssp.LSSP_STEMS:
+        return lssp.read_lssp_windows(source)
+    if frozen.read_manifest_or_none(source) is None:
+        return []
+    return frozen.read_frozen(source)
 
 
 def load_windows(
@@ -86,5 +100,6 @@ __all__ = [
     "package_data_dir",
     "register_source",
     "shared_data_dir",
+    "shipped_windows",
     "source_names",
 ]

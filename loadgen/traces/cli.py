@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 from loadgen.schema import Window
-from loadgen.traces import frozen, get_source, list_sources
-from loadgen.traces.lssp import LSSP_STEMS, read_lssp_windows
+from loadgen.traces import frozen, get_source, list_sources, shipped_windows
 from loadgen.traces.registry import SourceInfo, TraceDataMissing, package_data_dir
 
 
@@ -31,16 +30,6 @@ def read_knees(source: str) -> dict[str, str]:
         return {}
     with path.open(newline="") as f:
         return {row["window_id"]: row["knee"] for row in csv.DictReader(f)}
-
-
-def shipped_windows(source: str) -> list[Window]:
-    """The windows shipped in the package for `source` ([] if none)."""
-    if source in LSSP_STEMS:
-        return read_lssp_windows(source)
-    try:
-        return frozen.read_frozen(source)
-    except TraceDataMissing:
-        return []
 
 
 def availability(info: SourceInfo) -> str:

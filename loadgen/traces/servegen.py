@@ -267,6 +267,7 @@ class ServeGenSource:
         self, *, n_requests: int, count: int | None, seed: int, path: Path | None
     ) -> list[Window]:
         """Windows starting at seeded stride-sampled active slots (see module docstring)."""
+        count = DEFAULT_COUNT if count is None else count
         try:
             clients = self.clients(path)
         except TraceDataMissing:
@@ -274,7 +275,7 @@ class ServeGenSource:
                 return frozen.read_frozen(self.info.name)
             raise
         active = active_slots(clients)
-        picks = stride_starts(len(active), 1, DEFAULT_COUNT if count is None else count, seed)
+        picks = stride_starts(len(active), 1, count, seed)
         windows = []
         for i, pick in enumerate(picks):
             slot = active[pick]

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loadgen.schema import TraceRequest, Window
-from loadgen.traces import frozen, load_requests, load_windows
+from loadgen.traces import TraceDataMissing, frozen, load_requests, load_windows
 from loadgen.traces.windows import (
     SAMPLER,
     default_count,
@@ -147,3 +147,17 @@ def test_load_requests_is_arrival_ordered_for_every_shared_source(shared: Path) 
         if source.startswith("lssp"):
             continue  # windows concatenated: each restarts at 0
         assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(reqs)), source
+
+
+def test_shipped_windows_need_nothing_outside_the_repo(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from loadgen.traces import shipped_windows
+
+    monkeypatch.setenv("SAGESCHED_SHARED_DATA", str(tmp_path))
+    counts = {s: len(shipped_windows(s)) for s in ("lssp-azure2024", "burstgpt-v3", "azure-2024")}
+    assert counts == {"lssp-azure2024": 39, "burstgpt-v3": 1, "azure-2024": 0}
+    # count=None means ServeGen's default (4), the frozen language set's count
+    assert load_windows("servegen-language") == frozen.read_frozen("servegen-language")
+    with pytest.raises(TraceDataMissing):
+        load_windows("servegen-reason")  # default 4 windows, but 2 ship
