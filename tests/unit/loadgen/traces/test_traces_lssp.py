@@ -69,3 +69,23 @@ def test_load_requests_concatenates_windows() -> None:
 def test_wrong_window_size_is_refused() -> None:
     with pytest.raises(ValueError, match="200"):
         load_windows("lssp-burstgpt", n_requests=100)
+
+
+def test_shared_originals_match_the_data_manifest() -> None:
+    """The shipped copy was cut from these exact files (sha256 of uncompressed content)."""
+    import gzip
+    import hashlib
+
+    folder = _shared_lssp()
+    manifest = folder.parent.parent / "MANIFEST.tsv"
+    expected = {}
+    for line in manifest.read_text().splitlines()[1:]:
+        cols = line.split("\t")
+        if cols[0].startswith("traces/lssp/"):
+            expected[cols[0].removeprefix("traces/lssp/")] = cols[-1]
+    assert len(expected) == 6
+    for name, sha in expected.items():
+        data = (folder / name).read_bytes()
+        if name.endswith(".gz"):
+            data = gzip.decompress(data)
+        assert hashlib.sha256(data).hexdigest() == sha, name
