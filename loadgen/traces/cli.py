@@ -29,7 +29,16 @@ def read_knees(source: str) -> dict[str, str]:
     if not path.exists():
         return {}
     with path.open(newline="") as f:
-        return {row["window_id"]: row["knee"] for row in csv.DictReader(f)}
+        rows = list(csv.DictReader(f))
+    return {r["window_id"]: r["knee"] for r in rows if r.get("window_id") and r.get("knee")}
+
+
+def format_knee(knee: str) -> str:
+    """A knee for the table: 5 significant digits if numeric, else as written."""
+    try:
+        return f"{float(knee):.5g}"
+    except ValueError:
+        return knee
 
 
 def availability(info: SourceInfo) -> str:
@@ -84,9 +93,10 @@ def _print_windows(source: str, rows: list[dict[str, object]]) -> None:
     )
     for r in rows:
         rate = "-" if r["rate_rps"] is None else f"{r['rate_rps']:.3f}"
+        knee = format_knee(str(r["knee"]))
         print(
             f"  {r['window_id']!s:<{width}}  {r['requests']:>4}  {r['duration_s']:>10.3f}  "
-            f"{rate:>8}  {r['mean_prompt']:>7}  {r['mean_output']:>7}  {r['knee']}"
+            f"{rate:>8}  {r['mean_prompt']:>7}  {r['mean_output']:>7}  {knee}"
         )
 
 
