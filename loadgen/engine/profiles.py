@@ -1,0 +1,149 @@
+"""Latency profiles: how long one engine iteration takes, in seconds of virtual time.
+
+A profile sees an iteration's shape only: how many sequences decode one token (`n_decode`),
+their total context (`decode_context`, tokens already in KV summed over those sequences) and
+how many prompt tokens are prefilled (`prefill_tokens`, whole prompts or chunks). Profiles are
+registered by stable name with `@register_profile`; a second registration of a name is an
+error. Add one by subclassing `LatencyProfile` (a CPU profile, another GPU) and registering it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+_PROFILES: dict[str, type[LatencyProfile]] = {}
+
+P = TypeVar("P", bound="type[LatencyProfile]")
+
+
+class LatencyProfile:
+    """Iteration time of an engine. Subclasses are stateless and cheap to build.
+
+    `grid_s`: when set, iterations start on multiples of this many seconds (a discrete-step
+    model such as the portability paper's); an idle engine waits for the next grid point.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    grid_s: ClassVar[float | None] = None
+
+    def iteration_s(self, n_decode: int, decode_context: int, prefill_tokens: int) -> float:
+        """Seconds for one iteration of the given shape (never called with an empty one)."""
+        raise NotImplementedError
+
+    def decode_run_s(self, n_decode: int, decode_context: int, steps: int) -> float:
+        """Seconds for `steps` consecutive pure-decode iterations of the same sequences.
+
+        Each iteration adds one token to each sequence, so the context grows by `n_decode`
+        per iteration. Subclasses with a closed form override this; the default sums.
+        """
+        return sum(
+            self.iteration_s(n_decode, decode_context + j * n_decode, 0) for j in range(steps)
+        )
+
+    def steps_within(self, n_decode: int, decode_context: int, budget_s: float) -> int:
+        """Smallest k ≥ 1 such that k pure-decode iterations take at least `budget_s`."""
+        if budget_s <= 0:
+            return 1
+        lo, hi = 1, 1
+        while self.decode_run_s(n_decode, decode_context, hi) < budget_s:
+            lo, hi = hi + 1, hi * 2
+        while lo < hi:  # bisect the smallest k with run time >= budget
+            mid = (lo + hi) // 2
+            if self.decode_run_s(n_decode, decode_context, mid) < budget_s:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+
+def register_profile(cls: P) -> P:
+    """Class decorator: add a latency profile under its `name` (loud on duplicates)."""
+    if not cls.name or not cls.description:
+        raise ValueError(f"{cls.__qualname__} needs a name and a description")
+    if cls.name in _PROFILES:
+        raise ValueError(f"latency profile {cls.name!r} registered twice")
+    _PROFILES[cls.name] = cls
+    return cls
+
+
+def profile_names() -> list[str]:
+    """All registered profile names, sorted."""
+    return sorted(_PROFILES)
+
+
+def make_profile(name: str) -> LatencyProfile:
+    """A fresh instance of the profile registered under `name`."""
+    try:
+        return _PROFILES[name]()
+    except KeyError:
+        raise ValueError(f"unknown latency profile {name!r}; known: {profile_names()}") from None
+
+
+@register_profile
+class LsspConstant(LatencyProfile):
+    """The portability paper's model: every iteration takes 1 ms, prefill is free."""
+
+    name = "lssp-constant"
+    description = "1 ms per iteration whatever its shape (LSSP paper's discrete-step model)"
+    grid_s = 0.001
+    step_s: ClassVar[float] = 0.001
+
+    def iteration_s(self, n_decode: int, decode_context: int, prefill_tokens: int) -> float:
+        return self.step_s
+
+    def decode_run_s(self, n_decode: int, decode_context: int, steps: int) -> float:
+        return steps * self.step_s
+
+    def steps_within(self, n_decode: int, decode_context: int, budget_s: float) -> int:
+        return max(1, math.ceil(budget_s / self.step_s - 1e-6))
+
+
+@dataclass(frozen=True, slots=True)
+class H200Coefficients:
+    """Fitted by `loadgen.engine.fit_h200` (milliseconds; see its docstring for the model)."""
+
+    decode_a_ms: float = 5.08329
+    decode_per_seq_ms: float = 0.0140837
+    decode_per_ctx_ms: float = 2.78904e-05
+    prefill_a_ms: float = 5.1366
+    prefill_per_tok_ms: float = 0.0185966
+    prefill_per_tok2_ms: float = 1.23e-06
+    mixed_a_ms: float = 2.92403
+    mixed_per_ctx_ms: float = 5.09483e-05
+    mixed_per_tok_ms: float = 0.0241669
+
+
+H200_LLAMA3_8B = H200Coefficients()
+
+
+@register_profile
+class H200Llama3(LatencyProfile):
+    """One H200, Llama-3.1-8B shape, bf16 (kernel-level; no paging or scheduler overhead)."""
+
+    name = "h200-llama3-8b"
+    description = "H200, Llama-3.1-8B shape: fit of REFERENCE.md §6 measurements (max error 8%)"
+    k: ClassVar[H200Coefficients] = H200_LLAMA3_8B
+
+    def iteration_s(self, n_decode: int, decode_context: int, prefill_tokens: int) -> float:
+        k = self.k
+        if prefill_tokens == 0:
+            ms = k.decode_a_ms + k.decode_per_seq_ms * n_decode + k.decode_per_ctx_ms * decode_context
+        elif n_decode == 0:
+            p = prefill_tokens
+            ms = k.prefill_a_ms + k.prefill_per_tok_ms * p + k.prefill_per_tok2_ms * p * p
+        else:
+            ms = (
+                k.mixed_a_ms
+                + k.mixed_per_ctx_ms * decode_context
+                + k.mixed_per_tok_ms * prefill_tokens
+            )
+        return ms / 1000.0
+
+    def decode_run_s(self, n_decode: int, decode_context: int, steps: int) -> float:
+        # Σ_j (a + b·n + c·(ctx + j·n)) = k·f(ctx) + c·n·k(k−1)/2
+        first = self.iteration_s(n_decode, decode_context, 0)
+        growth = self.k.decode_per_ctx_ms * n_decode * steps * (steps - 1) / 2 / 1000.0
+        return steps * first + growth

@@ -1,0 +1,268 @@
+"""`simulate`: one workload through gateway + engine in virtual time.
+
+The loop is short: deliver the arrivals due, let the gateway `Scheduler` hand out what the
+in-flight cap allows (preempting when the policy says so), run one engine step (one iteration,
+or several identical decode iterations up to the next arrival), then settle what finished.
+Ties break on time, then on the fixed order arrivals → gateway → engine, then on request id.
+Nothing here is random: prediction beliefs are a deterministic function of the trace's frozen
+prediction, so a run is a pure function of its inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+import numpy as np
+
+from loadgen.engine.configs import CONTINUOUS, EngineConfig, engine_config, engine_names
+from loadgen.engine.model import Engine, Seq
+from loadgen.engine.profiles import LatencyProfile, make_profile
+from loadgen.metrics import DEADLINE_EPS_S, RequestRecord
+from loadgen.schema import TraceRequest
+from policies.base import Policy
+from policies.dist import LengthDist
+from policies.job import Job
+from policies.registry import parse_policy, policy_names
+from policies.scheduler import Scheduler
+
+ARRIVAL_EPS_S = 1e-9
+"""An arrival within this of an iteration start is seen by that iteration."""
+BELIEF_POINTS = 16
+_Z = np.array([NormalDist().inv_cdf((i + 0.5) / BELIEF_POINTS) for i in range(BELIEF_POINTS)])
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    """What runs: a gateway policy, an engine configuration and the gateway's in-flight cap."""
+
+    name: str
+    policy: Policy
+    engine: EngineConfig
+    inflight_cap: int | None
+    """Most requests inside the engine at once (None: the gateway forwards everything)."""
+    gateway_preemption: bool = True
+    """Let a preemptive policy displace an in-flight request (aborted, requeued, resumed)."""
+
+
+def contender_names() -> list[str]:
+    """Queue-level policies and engine-level configurations, sorted (disjoint name sets)."""
+    return sorted(set(policy_names()) | set(engine_names()) - {CONTINUOUS.name})
+
+
+def resolve(spec: str, *, inflight_cap: int | None = -1) -> Contender:
+    """A contender from a name: an engine configuration (with its own gateway policy and cap),
+    or a `policies` spec run on the `continuous` engine with the gateway capped at its
+    `max_seqs` (so the gateway holds the backlog). `inflight_cap` overrides the cap (None: no
+    cap; -1: the default)."""
+    if spec in engine_names() and spec != CONTINUOUS.name:
+        cfg = engine_config(spec)
+        cap = cfg.inflight_cap if inflight_cap == -1 else inflight_cap
+        return Contender(spec, parse_policy(cfg.gateway), cfg, cap)
+    policy = parse_policy(spec)
+    cap = CONTINUOUS.max_seqs if inflight_cap == -1 else inflight_cap
+    return Contender(policy.label(), policy, CONTINUOUS, cap)
+
+
+@dataclass(slots=True)
+class SimResult:
+    """The records of one run plus run-level facts."""
+
+    contender: str
+    profile: str
+    records: list[RequestRecord]
+    iterations: int
+    engine_steps: int
+    wall_s: float
+    stopped_early: bool = False
+    """The run stopped at `stop_after_violations` (records are then incomplete)."""
+    end_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def belief(predicted: float, sigma: float) -> LengthDist:
+    """Log-normal belief (σ = `sigma`) centred on a frozen prediction, 16 equal-mass points."""
+    if sigma <= 0:
+        return LengthDist.point(predicted)
+    return LengthDist.from_samples(np.maximum(predicted * np.exp(sigma * _Z), 1.0))
+
+
+def _jobs(
+    requests: Sequence[TraceRequest], policy: Policy, sigma: float
+) -> tuple[list[Job], list[RequestRecord]]:
+    jobs, records = [], []
+    for i, r in enumerate(requests):
+        out = max(1, r.output_tokens)
+        pred = float(r.predicted_output_tokens or out)
+        job = Job(i, r.arrival_s, r.prompt_tokens, deadline_s=r.deadline_s)
+        job.tenant = r.tenant or job.tenant
+        if policy.needs_prediction:
+            job.dist = belief(pred, sigma)
+        if policy.needs_oracle:
+            job.true_output_tokens = out
+        job.ctx = Seq(job, out, pred)
+        jobs.append(job)
+        records.append(
+            RequestRecord(i, r.arrival_s, r.prompt_tokens, out, r.deadline_s, tenant=job.tenant)
+        )
+    return jobs, records
+
+
+class _Run:
+    """State of one simulation; `run()` is the loop."""
+
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        contender: Contender,
+        profile: LatencyProfile,
+        sigma: float,
+        stop_after: int | None,
+    ) -> None:
+        self.c = contender
+        self.profile = profile
+        self.sched = Scheduler(contender.policy)
+        self.engine = Engine(contender.engine, profile)
+        self.jobs, self.records = _jobs(requests, self.sched.policy, sigma)
+        self.jobs.sort(key=lambda j: (j.arrival_s, j.id))
+        self.stop_after = stop_after
+        self.violations = 0
+        self.steps = 0
+
+    def run(self) -> tuple[float, bool]:
+        """Simulate to the end (or the violation limit). Returns (end time, stopped early)."""
+        jobs, engine, n = self.jobs, self.engine, len(self.jobs)
+        last = jobs[-1].arrival_s if jobs else 0.0
+        drain_end = last + self.c.engine.drain_s
+        t, i = 0.0, 0
+        while True:
+            changed = False
+            while i < n and jobs[i].arrival_s <= t + ARRIVAL_EPS_S:
+                self.sched.admit(jobs[i], jobs[i].arrival_s)
+                i, changed = i + 1, True
+            if changed or (self.sched.queue and self._room()):
+                self._gateway(t)
+            if i == n and t >= drain_end - ARRIVAL_EPS_S:
+                break
+            if not engine:
+                if i == n:
+                    break
+                t = max(t, self._align(jobs[i].arrival_s))
+                continue
+            horizon = (jobs[i].arrival_s if i < n else drain_end) - t
+            res = engine.step(t, horizon)
+            self.steps += 1
+            t = self._snap(t + res.dt_s)
+            for seq in res.dropped:
+                self._settle(seq, t, dropped=True)
+            for seq in res.finished:
+                self._settle(seq, seq.last_token_s, dropped=False)
+            if self.stop_after is not None and self.violations >= self.stop_after:
+                return t, True
+        self._cut_off(t)
+        return t, False
+
+    def _room(self) -> bool:
+        cap = self.c.inflight_cap
+        return cap is None or len(self.sched.running) < cap
+
+    def _align(self, t: float) -> float:
+        grid = self.profile.grid_s
+        return t if grid is None else math.ceil(t / grid - 1e-6) * grid
+
+    def _snap(self, t: float) -> float:
+        grid = self.profile.grid_s
+        return t if grid is None else round(t / grid) * grid
+
+    def _gateway(self, t: float) -> None:
+        """Preempt if the policy wants to, then fill the engine up to the cap."""
+        sched, engine = self.sched, self.engine
+        self._sync(t)
+        if self.c.gateway_preemption and sched.policy.preemptive and not self._room():
+            for _ in range(len(sched.queue)):
+                victim = sched.preemption_victim(t)
+                if victim is None:
+                    break
+                engine.abort(victim.ctx)
+                sched.requeue(victim, t, preempted=True)
+                self._dispatch(t)
+        while sched.queue and self._room():
+            self._dispatch(t)
+
+    def _dispatch(self, t: float) -> None:
+        job = self.sched.dispatch(t)
+        if job is not None:
+            self.engine.add(job.ctx)
+
+    def _sync(self, t: float) -> None:
+        """Report tokens generated since the last report to the scheduler (review points)."""
+        for job in list(self.sched.running.values()):
+            delta = job.ctx.generated - job.generated
+            if delta > 0:
+                self.sched.progress(job, delta, t)
+
+    def _settle(self, seq: Seq, t: float, *, dropped: bool) -> None:
+        job = seq.job
+        self._sync_one(job, t)
+        self.sched.finish(job, t)
+        rec = self.records[job.id]
+        rec.first_token_s = seq.first_token_s
+        rec.tokens = seq.generated
+        rec.preemptions = job.preemptions + seq.preemptions
+        rec.dropped = dropped
+        if not dropped:
+            rec.finish_s = t
+        if not rec.met_slo():
+            self.violations += 1
+
+    def _sync_one(self, job: Job, t: float) -> None:
+        delta = job.ctx.generated - job.generated
+        if delta > 0 and job.id in self.sched.running:
+            self.sched.progress(job, delta, t)
+
+    def _cut_off(self, t: float) -> None:
+        """End of the drain: whatever is left is dropped."""
+        for seq in list(self.engine.running) + list(self.engine.waiting):
+            self.engine.abort(seq)
+            self._settle(seq, t, dropped=True)
+        for job in list(self.sched.queue):
+            self._settle(job.ctx, t, dropped=True)
+
+
+def simulate(
+    requests: Sequence[TraceRequest],
+    contender: Contender | str,
+    profile: LatencyProfile | str = "lssp-constant",
+    *,
+    belief_sigma: float = 0.2,
+    stop_after_violations: int | None = None,
+) -> SimResult:
+    """Run `requests` (times on the run's clock, already compressed) through one contender.
+
+    Prediction-driven policies get a log-normal belief of σ = `belief_sigma` around each
+    request's frozen `predicted_output_tokens` (the true length when there is none); oracle
+    policies get the true length. With `stop_after_violations`, the run stops as soon as that
+    many requests have missed their deadline (used by the knee search).
+    """
+    c = resolve(contender) if isinstance(contender, str) else contender
+    prof = make_profile(profile) if isinstance(profile, str) else profile
+    wall = time.perf_counter()
+    run = _Run(requests, c, prof, belief_sigma, stop_after_violations)
+    end, stopped = run.run()
+    return SimResult(
+        c.name,
+        prof.name,
+        run.records,
+        run.engine.iterations,
+        run.steps,
+        time.perf_counter() - wall,
+        stopped,
+        end,
+        {"engine_preemptions": float(run.engine.preemptions)},
+    )
+
+
+__all__ = ["DEADLINE_EPS_S", "Contender", "SimResult", "belief", "resolve", "simulate"]
