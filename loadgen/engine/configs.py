@@ -127,7 +127,9 @@ def engine_config(name: str) -> EngineConfig:
     try:
         return _ENGINES[name]
     except KeyError:
-        raise ValueError(f"unknown engine configuration {name!r}; known: {engine_names()}") from None
+        raise ValueError(
+            f"unknown engine configuration {name!r}; known: {engine_names()}"
+        ) from None
 
 
 CONTINUOUS = register_engine(

@@ -178,10 +178,9 @@ class Engine:
                     b.budget -= chunk
             elif tbt is not None and now < seq.last_token_s + tbt - offset_s:
                 deferred.append(seq)
-            elif not cfg.budget_counts_decodes or b.budget >= 1:
-                if self._grow(seq, 1, b):
-                    b.decodes.append(seq)
-                    b.budget -= cfg.budget_counts_decodes
+            elif (not cfg.budget_counts_decodes or b.budget >= 1) and self._grow(seq, 1, b):
+                b.decodes.append(seq)
+                b.budget -= cfg.budget_counts_decodes
         return deferred
 
     def _serve_deferred(self, b: _Batch, deferred: list[Seq]) -> None:

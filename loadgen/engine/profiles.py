@@ -130,7 +130,11 @@ class H200Llama3(LatencyProfile):
     def iteration_s(self, n_decode: int, decode_context: int, prefill_tokens: int) -> float:
         k = self.k
         if prefill_tokens == 0:
-            ms = k.decode_a_ms + k.decode_per_seq_ms * n_decode + k.decode_per_ctx_ms * decode_context
+            ms = (
+                k.decode_a_ms
+                + k.decode_per_seq_ms * n_decode
+                + k.decode_per_ctx_ms * decode_context
+            )
         elif n_decode == 0:
             p = prefill_tokens
             ms = k.prefill_a_ms + k.prefill_per_tok_ms * p + k.prefill_per_tok2_ms * p * p

@@ -10,8 +10,13 @@ from collections.abc import Sequence
 
 from loadgen.engine.profiles import make_profile, profile_names
 from loadgen.metrics import summarize
-from loadgen.regions import REGIONS, compress, factor_for_rate, factor_for_utilisation
-from loadgen.regions import region_factor
+from loadgen.regions import (
+    REGIONS,
+    compress,
+    factor_for_rate,
+    factor_for_utilisation,
+    region_factor,
+)
 from loadgen.schema import Window
 from loadgen.sim.simulator import contender_names, resolve, simulate
 
@@ -38,9 +43,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     load.add_argument("--rate", type=float, help="target mean arrival rate (req/s)")
     load.add_argument("--utilisation", type=float, help="target decode utilisation (0-1)")
     p.add_argument("--profile", default="lssp-constant", choices=profile_names())
-    p.add_argument("--policies", default="fcfs", help="comma-separated: " + ", ".join(contender_names()))
-    p.add_argument("--inflight-cap", type=int, default=-1, help="gateway cap (-1: default, 0: none)")
-    p.add_argument("--belief-sigma", type=float, default=0.2, help="σ of the predicted-length belief")
+    p.add_argument(
+        "--policies", default="fcfs", help="comma-separated: " + ", ".join(contender_names())
+    )
+    p.add_argument(
+        "--inflight-cap", type=int, default=-1, help="gateway cap (-1: default, 0: none)"
+    )
+    p.add_argument(
+        "--belief-sigma", type=float, default=0.2, help="σ of the predicted-length belief"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
