@@ -1,0 +1,70 @@
+"""Latency profiles: registry, the constant-step model, and the H200 fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadgen.engine import fit_h200
+from loadgen.engine.profiles import (
+    H200_LLAMA3_8B,
+    LatencyProfile,
+    make_profile,
+    profile_names,
+    register_profile,
+)
+
+
+def test_registry_has_both_profiles_and_rejects_unknown() -> None:
+    assert {"h200-llama3-8b", "lssp-constant"} <= set(profile_names())
+    with pytest.raises(ValueError, match="unknown latency profile"):
+        make_profile("nope")
+
+
+def test_duplicate_registration_is_an_error() -> None:
+    class Dup(LatencyProfile):
+        name = "lssp-constant"
+        description = "duplicate"
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register_profile(Dup)
+
+
+def test_lssp_constant_is_one_millisecond_whatever_the_shape() -> None:
+    p = make_profile("lssp-constant")
+    assert p.iteration_s(64, 100_000, 4096) == pytest.approx(0.001)
+    assert p.decode_run_s(10, 0, 7) == pytest.approx(0.007)
+    assert p.steps_within(1, 0, 0.0105) == 11
+    assert p.steps_within(1, 0, 0.010) == 10
+    assert p.grid_s == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize(("n", "ctx", "steps"), [(1, 128, 1), (64, 64 * 2048, 37), (200, 10**5, 5)])
+def test_h200_decode_run_closed_form_matches_the_sum(n: int, ctx: int, steps: int) -> None:
+    p = make_profile("h200-llama3-8b")
+    total = sum(p.iteration_s(n, ctx + j * n, 0) for j in range(steps))
+    assert p.decode_run_s(n, ctx, steps) == pytest.approx(total, rel=1e-9)
+    k = p.steps_within(n, ctx, total)
+    assert k == steps
+
+
+@pytest.mark.parametrize(
+    ("shape", "ms"),
+    [((1, 1024, 0), 5.0), ((64, 64 * 2048, 0), 9.3), ((256, 256 * 1024, 0), 16.1),
+     ((0, 0, 1024), 25.7), ((0, 0, 8192), 231.0), ((64, 64 * 1024, 512), 18.47)],
+)  # fmt: skip
+def test_h200_profile_matches_the_reference_numbers(shape: tuple[int, int, int], ms: float) -> None:
+    assert make_profile("h200-llama3-8b").iteration_s(*shape) * 1000 == pytest.approx(ms, rel=0.08)
+
+
+def test_fit_script_reproduces_the_committed_coefficients() -> None:
+    folder = fit_h200.DEFAULT_DIR
+    if not (folder / fit_h200.FILES[0]).exists():
+        pytest.skip(f"calibration data not at {folder}")
+    fitted = fit_h200.fit(fit_h200.load(Path(folder)))
+    k = H200_LLAMA3_8B
+    assert fitted["decode"]["per_ctx_ms"] == pytest.approx(k.decode_per_ctx_ms, rel=1e-4)
+    assert fitted["prefill"]["per_tok_ms"] == pytest.approx(k.prefill_per_tok_ms, rel=1e-4)
+    assert fitted["mixed"]["a_ms"] == pytest.approx(k.mixed_a_ms, rel=1e-4)
+    assert max(r["max_rel_err"] for r in fitted.values()) < 0.08
