@@ -1,0 +1,122 @@
+"""Typed configuration of the output-length predictor."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class PredictorConfig:
+    """Every knob of the predictor, with its unit in the name.
+
+    Defaults were chosen on a ShareGPT train/test split (see docs/benchmarks.md, "Predictor").
+    `validate()` is called on construction, so an instance is always usable.
+    """
+
+    k_neighbours: int = 32
+    """How many nearest neighbours one query asks the index for."""
+
+    similarity_floor: float = 0.5
+    """Cosine similarity below which a neighbour is ignored (1 = identical prompt)."""
+
+    similarity_temperature: float = 0.05
+    """Neighbour weight is exp((similarity − best similarity) / this); smaller = sharper."""
+
+    min_neighbours: int = 8
+    """With fewer usable neighbours than this, the prediction is blended with the global
+    distribution in proportion to how many are missing (cold start works from request one)."""
+
+    prior_weight: float = 0.1
+    """Share of the global distribution that is always mixed in, even with many neighbours
+    (keeps tails honest when all neighbours agree)."""
+
+    bucket_count: int = 24
+    """Most support points of a predicted `LengthDist` (log-spaced buckets)."""
+
+    capacity_items: int = 100_000
+    """History ring size: the oldest completed request is replaced beyond this."""
+
+    global_window_items: int = 5_000
+    """How many of the most recent completions form the global (fallback) distribution."""
+
+    band_min_items: int = 50
+    """The global distribution is conditioned on the prompt-length band (powers of two of
+    prompt tokens) when that band holds at least this many recent items; otherwise all."""
+
+    prior_median_tokens: float = 200.0
+    """Median output length (tokens) of the built-in prior used before anything is learned."""
+
+    hnsw_m: int = 16
+    """hnswlib graph degree M."""
+
+    hnsw_ef_construction: int = 100
+    """hnswlib build-time candidate list size."""
+
+    hnsw_ef_search: int = 64
+    """hnswlib query-time candidate list size (raised to k when smaller)."""
+
+    embed_max_chars: int = 1_200
+    """Characters of prompt text handed to the embedder (MiniLM reads 256 word pieces,
+    about 1,000–1,200 characters of English); longer text is clipped, see `predictor.text`."""
+
+    embed_head_fraction: float = 0.25
+    """Share of `embed_max_chars` kept from the start of a clipped text; the rest is its end."""
+
+    max_batch_items: int = 64
+    """Most prompts the async embedder encodes in one model call."""
+
+    max_wait_ms: float = 2.0
+    """How long the async embedder waits for more requests after the first one of a batch."""
+
+    max_pending_items: int = 4_096
+    """Bound of the async embedder's queue; protects memory when the model falls behind."""
+
+    device: str | None = None
+    """Torch device for the embedder; None picks "cuda" when available, else "cpu"."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError on an out-of-range field."""
+        positive = [
+            "k_neighbours",
+            "min_neighbours",
+            "bucket_count",
+            "capacity_items",
+            "global_window_items",
+            "hnsw_m",
+            "hnsw_ef_construction",
+            "hnsw_ef_search",
+            "embed_max_chars",
+            "max_batch_items",
+            "max_pending_items",
+            "band_min_items",
+        ]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not -1.0 <= self.similarity_floor <= 1.0:
+            raise ValueError("similarity_floor must be in [-1, 1]")
+        if self.similarity_temperature <= 0:
+            raise ValueError("similarity_temperature must be > 0")
+        if not 0.0 <= self.prior_weight < 1.0:
+            raise ValueError("prior_weight must be in [0, 1)")
+        if not 0.0 <= self.embed_head_fraction <= 1.0:
+            raise ValueError("embed_head_fraction must be in [0, 1]")
+        if self.max_wait_ms < 0 or self.prior_median_tokens < 1:
+            raise ValueError("max_wait_ms must be >= 0 and prior_median_tokens >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for logs, JSON reports and snapshots)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PredictorConfig:
+        """Inverse of `to_dict`; unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown predictor config keys: {unknown}")
+        return cls(**data)

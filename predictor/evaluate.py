@@ -1,0 +1,167 @@
+"""Offline evaluation of length predictors against two baselines.
+
+Every predictor is fitted on a train list of records `{prompt, output_tokens, prompt_tokens}`
+and predicts a `LengthDist` per test record. Scores (all lengths in tokens):
+
+- `mae_median`: mean |median − truth|;
+- `spearman`: Spearman rank correlation of predicted mean with truth;
+- `kendall_tau`: Kendall τ-b between the *scheduling order* the prediction induces and the
+  truth: jobs ordered by descending Gittins index (tokens cost, nothing generated yet), as
+  SageSched orders its queue at admission. +1 = shortest truly first; 0 = no information
+  (a predictor that gives everyone the same distribution scores 0, not NaN);
+- `pinball_0.1/0.5/0.9`: quantile loss of the predicted quantiles;
+- `coverage_10_90`: share of truths inside the predicted [q10, q90] interval (ideal 0.8).
+
+Baselines: `global` (the train set's length distribution for everyone) and
+`length_regression` (log output = a + b·log prompt, least squares, with the residuals'
+empirical quantiles as the spread).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from policies import LengthDist, gittins_index
+from predictor.model import LengthPredictor
+
+Record = dict[str, Any]
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+class Predictor(Protocol):
+    """What `evaluate` needs of a predictor."""
+
+    name: str
+
+    def fit(self, train: Sequence[Record]) -> None: ...
+
+    def predict(self, test: Sequence[Record]) -> list[LengthDist]: ...
+
+
+def pinball(q: float, pred: NDArray[np.float64], truth: NDArray[np.float64]) -> float:
+    """Mean quantile (pinball) loss of predictions of the q-quantile, tokens."""
+    diff = truth - pred
+    return float(np.mean(np.maximum(q * diff, (q - 1.0) * diff)))
+
+
+def _rank_corr(kind: str, x: NDArray[np.float64], y: NDArray[np.float64]) -> float:
+    from scipy import stats
+
+    if np.ptp(x) == 0 or np.ptp(y) == 0:
+        return 0.0  # a constant prediction carries no ordering information
+    res = stats.spearmanr(x, y) if kind == "spearman" else stats.kendalltau(x, y)
+    value = float(res.statistic)
+    return 0.0 if math.isnan(value) else value
+
+
+def scheduling_key(dist: LengthDist) -> float:
+    """The admission order key the prediction induces: −Gittins index (lower goes first)."""
+    return -gittins_index(dist.support, dist.probs, 0.0)
+
+
+def score(dists: Sequence[LengthDist], truth: Sequence[float]) -> dict[str, float]:
+    """The metrics above for predictions `dists` of lengths `truth`."""
+    y = np.asarray(truth, dtype=np.float64)
+    qs = {q: np.array([d.quantile(q) for d in dists]) for q in QUANTILES}
+    mean = np.array([d.mean() for d in dists])
+    key = np.array([scheduling_key(d) for d in dists])
+    out = {
+        "mae_median": float(np.mean(np.abs(qs[0.5] - y))),
+        "spearman": _rank_corr("spearman", mean, y),
+        "kendall_tau": _rank_corr("kendall", key, y),
+        "coverage_10_90": float(np.mean((qs[0.1] <= y) & (y <= qs[0.9]))),
+    }
+    out.update({f"pinball_{q}": pinball(q, qs[q], y) for q in QUANTILES})
+    return out
+
+
+def _lengths(records: Sequence[Record], key: str) -> NDArray[np.float64]:
+    return np.array([max(float(r[key]), 1.0) for r in records])
+
+
+class GlobalBaseline:
+    """Everyone gets the train set's empirical length distribution."""
+
+    name = "global"
+
+    def __init__(self, bucket_count: int = 24) -> None:
+        self.bucket_count = bucket_count
+        self.dist = LengthDist.point(1)
+
+    def fit(self, train: Sequence[Record]) -> None:
+        y = _lengths(train, "output_tokens")
+        self.dist = LengthDist.from_samples(y, max_points=self.bucket_count)
+
+    def predict(self, test: Sequence[Record]) -> list[LengthDist]:
+        return [self.dist] * len(test)
+
+
+class LengthRegressionBaseline:
+    """log(output) = a + b·log(prompt) by least squares; spread = residual quantiles."""
+
+    name = "length_regression"
+
+    def __init__(self, points: int = 24) -> None:
+        self.points = points
+        self.coef = (0.0, 0.0)
+        self.residuals = np.zeros(1)
+
+    def fit(self, train: Sequence[Record]) -> None:
+        x = np.log(_lengths(train, "prompt_tokens"))
+        y = np.log(_lengths(train, "output_tokens"))
+        b, a = np.polyfit(x, y, 1)
+        self.coef = (float(a), float(b))
+        qs = (np.arange(self.points) + 0.5) / self.points
+        self.residuals = np.quantile(y - (a + b * x), qs)
+
+    def predict(self, test: Sequence[Record]) -> list[LengthDist]:
+        a, b = self.coef
+        x = np.log(_lengths(test, "prompt_tokens"))
+        return [LengthDist.from_samples(np.exp(a + b * xi + self.residuals)) for xi in x]
+
+
+class SemanticPredictor:
+    """The semantic history predictor, fitted by observing every train record."""
+
+    name = "semantic"
+
+    def __init__(self, model: LengthPredictor) -> None:
+        self.model = model
+
+    def fit(self, train: Sequence[Record]) -> None:
+        self.model.observe_many(
+            [r["prompt"] for r in train],
+            [int(r["output_tokens"]) for r in train],
+            [int(r["prompt_tokens"]) for r in train],
+        )
+
+    def predict(self, test: Sequence[Record]) -> list[LengthDist]:
+        vectors = self.model.embed([r["prompt"] for r in test])
+        return self.model.predict_vectors(vectors, [float(r["prompt_tokens"]) for r in test])
+
+
+def evaluate(
+    predictors: Sequence[Predictor], train: Sequence[Record], test: Sequence[Record]
+) -> dict[str, dict[str, float]]:
+    """Fit and score each predictor; per name, the metrics plus `n_test`, `fit_s`,
+    `predict_ms_per_item` (wall time, including embedding for the semantic one)."""
+    truth = [float(r["output_tokens"]) for r in test]
+    results: dict[str, dict[str, float]] = {}
+    for p in predictors:
+        t0 = time.perf_counter()
+        p.fit(train)
+        t1 = time.perf_counter()
+        dists = p.predict(test)
+        t2 = time.perf_counter()
+        results[p.name] = score(dists, truth) | {
+            "n_test": float(len(test)),
+            "fit_s": t1 - t0,
+            "predict_ms_per_item": (t2 - t1) * 1000.0 / max(len(test), 1),
+        }
+    return results
