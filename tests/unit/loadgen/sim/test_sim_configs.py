@@ -63,7 +63,7 @@ def test_slai_admits_the_shortest_prompt_first() -> None:
     reqs = [_req(0.0, 500, 2), _req(0.0, 30, 2), _req(0.0, 200, 2)]
     res = simulate(reqs, "slai")
     order = sorted(res.records, key=lambda r: (r.first_token_s, r.id))
-    assert [r.prompt_tokens for r in order][0] == 30
+    assert order[0].prompt_tokens == 30
     assert res.records[0].first_token_s > res.records[1].first_token_s
 
 
