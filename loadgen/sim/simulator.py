@@ -10,6 +10,7 @@ prediction, so a run is a pure function of its inputs.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -83,8 +84,11 @@ class SimResult:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=4096)
 def belief(predicted: float, sigma: float) -> LengthDist:
-    """Log-normal belief (σ = `sigma`) centred on a frozen prediction, 16 equal-mass points."""
+    """Log-normal belief (σ = `sigma`) centred on a frozen prediction, 16 equal-mass points.
+
+    Cached: `LengthDist` is immutable, so jobs with the same prediction share one object."""
     if sigma <= 0:
         return LengthDist.point(predicted)
     return LengthDist.from_samples(np.maximum(predicted * np.exp(sigma * _Z), 1.0))
@@ -180,8 +184,13 @@ class _Run:
     def _gateway(self, t: float) -> None:
         """Preempt if the policy wants to, then fill the engine up to the cap."""
         sched, engine = self.sched, self.engine
-        self._sync(t)
-        if self.c.gateway_preemption and sched.policy.preemptive and not self._room():
+        policy = sched.policy
+        victims_wanted = self.c.gateway_preemption and policy.preemptive and not self._room()
+        if victims_wanted or policy.revalidate_on_pop:
+            # running keys (review points) matter only for a victim search, and shared
+            # counters only for policies that declare their waiting keys may move
+            self._sync(t)
+        if victims_wanted:
             for _ in range(len(sched.queue)):
                 victim = sched.preemption_victim(t)
                 if victim is None:
