@@ -32,8 +32,9 @@ SOURCES = ("lssp-azure2024", "lssp-bailian", "lssp-burstgpt")
 DOC = ROOT / "docs" / "benchmarks.md"
 NOTE = """FCFS meets both targets. SageSched's time goes into its policy, not the loop: each
 review point a running job crosses costs one `SageSched.key` (conditioning the `LengthDist`,
-then the Gittins index; about 100 µs), about 1,300 per 200-request window; the simulator reports
-progress only at gateway events, so it never computes more keys than a per-token engine would.
+then the Gittins index; about 50–100 µs), several hundred per 200-request window; the simulator
+reports progress only when a victim search needs it, so it never computes more keys than a
+per-token engine would.
 """
 
 
