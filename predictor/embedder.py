@@ -202,9 +202,10 @@ class AsyncEmbedder:
             texts = [t for t, _ in live]
             try:
                 vecs = await loop.run_in_executor(self._pool, self.embedder.encode, texts)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # close(): this batch's callers learn why
                 for _, f in live:
-                    f.cancel()
+                    if not f.done():
+                        f.set_exception(EmbedderClosedError("embedder closed"))
                 raise
             except Exception as exc:  # the model failed: every caller of this batch sees it
                 for _, f in live:

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from predictor import AsyncEmbedder, Embedder, EmbedderClosedError, ModelNotFoundError, model_path
+
+
+def test_vectors_are_normalised_and_semantic(embedder: Embedder) -> None:
+    v = embedder.encode(
+        [
+            "Write a long essay about the French revolution.",
+            "Compose a detailed essay on the history of the French Revolution.",
+            "What is 2 + 2?",
+        ]
+    )
+    assert v.shape == (3, embedder.dim) and v.dtype == np.float32
+    assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)
+    assert float(v[0] @ v[1]) > float(v[0] @ v[2]) + 0.3
+    assert embedder.encode([]).shape == (0, embedder.dim)
+
+
+def test_missing_model_is_a_clear_error_not_a_download(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="never downloads"):
+        Embedder(tmp_path / "nowhere")
+    with pytest.raises(ModelNotFoundError, match="lacks"):
+        model_path(tmp_path)
+    assert (model_path() / "model.safetensors").is_file()
+
+
+async def test_concurrent_calls_are_batched_and_match_sync(embedder: Embedder) -> None:
+    texts = [f"question number {i} about cooking pasta" for i in range(20)]
+    async with AsyncEmbedder(embedder, max_batch_items=8, max_wait_ms=20) as front:
+        out = await asyncio.gather(*(front.embed(t) for t in texts))
+        assert 3 <= front.batches < 20  # 20 callers, batches of at most 8
+    want = embedder.encode(texts)
+    assert np.allclose(np.stack(out), want, atol=1e-5)
+
+
+async def test_embedding_never_blocks_the_loop(embedder: Embedder) -> None:
+    """A ticker on the loop keeps running while 64 long prompts are embedded."""
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    texts = [f"{i} " + "please explain this in detail " * 12 for i in range(32)]
+    tick = asyncio.create_task(ticker())
+    async with AsyncEmbedder(embedder, max_batch_items=64, max_wait_ms=1) as front:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(front.embed(t) for t in texts))
+        busy = time.perf_counter() - t0
+    stop.set()
+    await tick
+    assert busy > 0.1  # the model really worked for a while...
+    assert max(gaps) < 0.1  # ...and the loop stayed responsive throughout
+
+
+async def test_close_fails_pending_and_later_calls(embedder: Embedder) -> None:
+    front = AsyncEmbedder(embedder, max_batch_items=1, max_wait_ms=0)
+    tasks = [asyncio.create_task(front.embed(f"text {i} " * 50)) for i in range(6)]
+    await asyncio.sleep(0.01)
+    await front.close()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert failed and all(isinstance(r, EmbedderClosedError) for r in failed)
+    with pytest.raises(EmbedderClosedError):
+        await front.embed("late")
+
+
+async def test_cancelled_caller_does_not_break_the_batch(embedder: Embedder) -> None:
+    async with AsyncEmbedder(embedder, max_batch_items=4, max_wait_ms=30) as front:
+        doomed = asyncio.create_task(front.embed("never mind"))
+        kept = asyncio.create_task(front.embed("keep me"))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        vec = await kept
+        assert vec.shape == (embedder.dim,)
+        assert doomed.cancelled()

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policies import LengthDist
+from predictor import Embedder, LengthPredictor, Neighbours, PredictorConfig, blend, prior_dist
+
+POEMS = [f"Write a short poem about the {w}." for w in ("sea", "moon", "rain", "wind", "snow")]
+ESSAYS = [
+    f"Write a detailed 2000-word essay on the economic history of {c}."
+    for c in ("France", "Japan", "Brazil", "Kenya", "Canada")
+]
+
+
+def _nb(sims: list[float], outs: list[float]) -> Neighbours:
+    return Neighbours(np.array(sims), np.array(outs, dtype=float), np.ones(len(sims)))
+
+
+def test_cold_start_gives_a_sane_prior(predictor: LengthPredictor) -> None:
+    dist = predictor.predict("Hello, who are you?")
+    assert 100 <= dist.quantile(0.5) <= 400
+    assert dist.quantile(0.9) > 2 * dist.quantile(0.1)  # broad: it knows it knows nothing
+
+
+def test_max_tokens_is_respected(predictor: LengthPredictor) -> None:
+    dist = predictor.predict("Tell me everything.", max_tokens=50)
+    assert dist.support[-1] == 50 and dist.mean() <= 50
+
+
+def test_learning_separates_short_from_long(predictor: LengthPredictor) -> None:
+    predictor.observe_many(POEMS, [60, 70, 65, 55, 62], [10] * 5)
+    predictor.observe_many(ESSAYS, [1500, 1700, 1600, 1800, 1550], [15] * 5)
+    poem = predictor.predict("Write a short poem about the sun.", prompt_tokens=10)
+    essay = predictor.predict("Write a detailed 2000-word essay on the history of Italy.")
+    assert poem.quantile(0.5) < 100
+    assert essay.quantile(0.5) > 1_000
+    assert poem.mean() < essay.mean()
+
+
+def test_observe_one(predictor: LengthPredictor) -> None:
+    predictor.observe("Translate 'good morning' into German.", 8, 9)
+    assert len(predictor.index) == 1
+    predictor.observe("Translate 'good night' into German.", 7)  # tokens counted for us
+    assert predictor.index.recent(1)[1][0] > 3
+
+
+def test_blend_weights_similar_neighbours_more() -> None:
+    cfg = PredictorConfig(min_neighbours=2, prior_weight=0.0, similarity_temperature=0.05)
+    background = LengthDist.point(1_000)
+    dist = blend(_nb([0.95, 0.70], [10, 500]), background, cfg)
+    assert dist.cdf(10) > 0.9  # exp(-0.25/0.05) makes the far neighbour nearly irrelevant
+
+
+def test_blend_falls_back_with_few_neighbours() -> None:
+    cfg = PredictorConfig(min_neighbours=4, prior_weight=0.1)
+    background = LengthDist.point(1_000)
+    assert blend(_nb([], []), background, cfg) is background
+    dist = blend(_nb([0.9], [10]), background, cfg)  # 3 of 4 missing → 75% background
+    assert dist.cdf(10) == pytest.approx(0.25, abs=1e-9)
+    full = blend(_nb([0.9] * 5, [10] * 5), background, cfg)
+    assert full.cdf(10) == pytest.approx(0.9, abs=1e-9)  # prior_weight always mixed in
+
+
+def test_global_distribution_is_conditioned_on_prompt_band(embedder: Embedder) -> None:
+    cfg = PredictorConfig(band_min_items=3, global_window_items=100, capacity_items=100)
+    model = LengthPredictor(cfg, embedder=embedder)
+    vecs = np.eye(embedder.dim, dtype=np.float32)[:8]
+    model.index.add(vecs, [10, 11, 12, 13, 900, 950, 1000, 1100], [5] * 4 + [3000] * 4)
+    assert model.global_dist(6).quantile(0.5) < 20  # band 2 (4–7 tokens): the short ones
+    assert model.global_dist(2500).quantile(0.5) > 800
+    assert model.global_dist(1).quantile(0.5) in (13, 900)  # thin band → everything
+    assert model.global_dist(None).support.size == 8
+
+
+def test_prior_dist_median() -> None:
+    assert prior_dist(200).quantile(0.5) == pytest.approx(200, rel=0.1)
+
+
+def test_warm_start_from_jsonl(predictor: LengthPredictor, tmp_path: Path) -> None:
+    path = tmp_path / "warm.jsonl"
+    rows = [{"prompt": p, "output_tokens": 60} for p in POEMS]
+    rows += [{"prompt": p, "output_tokens": 1600, "prompt_tokens": 15} for p in ESSAYS]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert predictor.warm_start(path, batch_size=3) == 10
+    assert len(predictor.index) == 10
+    assert predictor.predict(POEMS[0]).quantile(0.5) < 100
+
+
+def test_bad_jsonl_line_is_reported(predictor: LengthPredictor, tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        predictor.warm_start(path)
+
+
+async def test_predict_async_many_callers(predictor: LengthPredictor) -> None:
+    predictor.observe_many(POEMS, [60] * 5, [10] * 5)
+    prompts = [f"Write a short poem about the {i}th star." for i in range(30)]
+    try:
+        dists = await asyncio.gather(*(predictor.predict_async(p, max_tokens=500) for p in prompts))
+        await predictor.observe_async("Write a short poem about dawn.", 58, 9)
+    finally:
+        await predictor.aclose()
+    assert all(d.quantile(0.5) < 100 and d.support[-1] <= 500 for d in dists)
+    assert len(predictor.index) == 6
+    sync = predictor.predict(prompts[0], max_tokens=500)
+    assert sync.quantile(0.5) == dists[0].quantile(0.5)
