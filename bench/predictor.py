@@ -1,0 +1,149 @@
+"""Speed of the output-length predictor on this machine; prints a Markdown table.
+
+    .venv/bin/python bench/predictor.py [--sizes 10000,100000] [--queries 2000]
+
+1. Lookup: `HistoryIndex.query` (k neighbours, ef as configured) and `predict_vector` (lookup
+   plus building the blended `LengthDist`) at each history size, p50/p99 over single queries.
+   History vectors are random unit vectors in clusters (neighbours at cosine ≈ 0.6, so the
+   similarity floor passes some); build time (2 threads) is reported too.
+2. Embedding: ms per prompt at batch 1, 8 and 64, for short prompts (~12 word pieces) and for
+   ShareGPT first turns clipped to `embed_max_chars` (most fill MiniLM's 256-piece window).
+3. End to end: `predict_async` under 50 concurrent asyncio callers (each making several
+   sequential calls) against a 10k history: per-call latency p50/p99 and throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# This file is named like the package it measures: drop bench/ from the path (it is
+# sys.path[0] when run as a script) so `import predictor` finds the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+from predictor import Embedder, HistoryIndex, LengthPredictor, PredictorConfig  # noqa: E402
+from predictor.datasets import load_pairs  # noqa: E402
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def _unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _clustered(rng: np.random.Generator, centres: np.ndarray, n: int) -> np.ndarray:
+    """Unit vectors around random centres: members of a cluster have cosine ≈ 0.6, like
+    paraphrases, so lookups find neighbours above the similarity floor."""
+    pick = centres[rng.integers(0, len(centres), n)]
+    x = pick + 0.04 * rng.standard_normal(pick.shape).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def bench_lookup(cfg: PredictorConfig, embedder: Embedder, size: int, queries: int) -> list[str]:
+    rng = np.random.default_rng(size)
+    index = HistoryIndex(
+        embedder.dim, size, m=cfg.hnsw_m, ef_construction=cfg.hnsw_ef_construction,
+        ef_search=cfg.hnsw_ef_search,
+    )  # fmt: skip
+    centres = _unit(rng, max(size // 50, 10), embedder.dim)
+    t0 = time.perf_counter()
+    for start in range(0, size, 10_000):
+        n = min(10_000, size - start)
+        vecs = _clustered(rng, centres, n)
+        index.add(vecs, rng.integers(1, 1000, n), rng.integers(1, 500, n))
+    build_s = time.perf_counter() - t0
+    model = LengthPredictor(cfg, embedder=embedder, index=index)
+    qs = _clustered(rng, centres, queries)
+    raw, full, found = [], [], []
+    for q in qs:
+        t = time.perf_counter()
+        found.append(len(index.query(q, cfg.k_neighbours, cfg.similarity_floor)))
+        raw.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        model.predict_vector(q, prompt_tokens=100)
+        full.append((time.perf_counter() - t) * 1e3)
+    return [
+        f"| lookup, {size:,} items (build {build_s:.0f} s) | index.query k={cfg.k_neighbours}, "
+        f"{np.mean(found):.0f} above the floor on average "
+        f"| {_pct(raw, 50):.3f} ms | {_pct(raw, 99):.3f} ms |",
+        f"| lookup, {size:,} items | predict_vector (lookup + distribution) "
+        f"| {_pct(full, 50):.3f} ms | {_pct(full, 99):.3f} ms |",
+    ]
+
+
+def bench_embedding(model: LengthPredictor, long_texts: list[str]) -> list[str]:
+    short = [f"Write a short poem about the number {i}, please." for i in range(64)]
+    rows = []
+    for label, texts in (("short prompt", short), ("ShareGPT prompt, clipped", long_texts[:64])):
+        clipped = [model.text(t) for t in texts]
+        model.embedder.encode(clipped[:8])  # warm-up
+        for batch in (1, 8, 64):
+            t = time.perf_counter()
+            for start in range(0, len(clipped), batch):
+                model.embedder.encode(clipped[start : start + batch], batch_size=batch)
+            per = (time.perf_counter() - t) * 1e3 / len(clipped)
+            rows.append(f"| embedding, {label} | batch {batch} | {per:.1f} ms/prompt | |")
+    return rows
+
+
+async def _concurrent(model: LengthPredictor, prompts: list[str], callers: int, calls: int):
+    lat: list[float] = []
+
+    async def caller(i: int) -> None:
+        for j in range(calls):
+            t = time.perf_counter()
+            await model.predict_async(prompts[(i * calls + j) % len(prompts)], prompt_tokens=50)
+            lat.append((time.perf_counter() - t) * 1e3)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller(i) for i in range(callers)))
+    wall = time.perf_counter() - t0
+    await model.aclose()
+    return lat, wall
+
+
+def bench_concurrent(model: LengthPredictor, label: str, prompts: list[str]) -> list[str]:
+    callers, calls = 50, 4
+    asyncio.run(_concurrent(model, prompts, callers, 1))  # warm-up
+    lat, wall = asyncio.run(_concurrent(model, prompts, callers, calls))
+    return [
+        f"| predict_async, 50 concurrent callers, {label} | {callers * calls / wall:.0f} req/s "
+        f"| {_pct(lat, 50):.1f} ms | {_pct(lat, 99):.1f} ms |"
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000", help="history sizes, comma-separated")
+    parser.add_argument("--queries", type=int, default=2_000, help="lookups per size")
+    args = parser.parse_args()
+    cfg = PredictorConfig()
+    embedder = Embedder()
+    print(f"device {embedder.device}; config {cfg.to_dict()}\n")
+    print("| what | case | p50 | p99 |\n|---|---|---|---|")
+    for size in (int(s) for s in args.sizes.split(",")):
+        print("\n".join(bench_lookup(cfg, embedder, size, args.queries)), flush=True)
+    texts = [p for _, p, _ in load_pairs("sharegpt")[:2_000]]
+    model = LengthPredictor(cfg, embedder=embedder)
+    print("\n".join(bench_embedding(model, texts)), flush=True)
+    rng = np.random.default_rng(0)
+    model.index.add(
+        _unit(rng, 10_000, embedder.dim), rng.integers(1, 1000, 10_000), np.ones(10_000)
+    )
+    short = [f"Write a short poem about the number {i}, please." for i in range(200)]
+    print("\n".join(bench_concurrent(model, "short prompts", short)), flush=True)
+    print("\n".join(bench_concurrent(model, "ShareGPT prompts", texts[:200])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
