@@ -28,7 +28,7 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 bench-policies: $(STAMP)
-	$(BIN)/python bench/policies.py
+	$(BIN)/python bench/policy_core.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -129,4 +129,4 @@ def attained_cost(model: CostModel, prompt_tokens: float, generated: float) -> f
     """
     if generated <= 0:
         return 0.0
-    return float(model.cost(prompt_tokens, np.array([float(generated)]))[0])
+    return float(model.cost(prompt_tokens, np.asarray(float(generated))))

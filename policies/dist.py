@@ -56,6 +56,20 @@ class LengthDist:
         self.probs = _frozen(p / total)
         self._cdf = _frozen(np.cumsum(self.probs))
 
+    @classmethod
+    def _trusted(cls, support: FloatArray, probs: FloatArray) -> LengthDist:
+        """Build from arrays already known to satisfy the invariants (no validation).
+
+        Used by `condition` and `truncate`, whose inputs come from a valid distribution;
+        skipping the checks keeps them cheap on the scheduler's hot path.
+        """
+        self = cls.__new__(cls)
+        total = probs.sum()
+        self.support = _frozen(support)
+        self.probs = _frozen(probs / total if total != 1.0 else probs)
+        self._cdf = _frozen(np.cumsum(self.probs))
+        return self
+
     # -- constructors -------------------------------------------------------------------
 
     @classmethod
@@ -168,7 +182,7 @@ class LengthDist:
             return self
         if i >= self.support.size:
             return LengthDist.point(max(2.0 * generated, generated + 1.0))
-        return LengthDist(self.support[i:], self.probs[i:])
+        return LengthDist._trusted(self.support[i:].copy(), self.probs[i:].copy())
 
     def truncate(self, max_tokens: float) -> LengthDist:
         """Respect a client cap: mass above `max_tokens` moves onto `max_tokens`."""
@@ -178,4 +192,4 @@ class LengthDist:
         below = self.support < cap
         support = np.append(self.support[below], cap)
         probs = np.append(self.probs[below], self.probs[~below].sum())
-        return LengthDist(support, probs)
+        return LengthDist._trusted(support, probs)

@@ -37,11 +37,14 @@ def gittins_index_and_horizon(
     s = np.asarray(support, dtype=np.float64)
     p = np.asarray(probs, dtype=np.float64)
     a = float(attained)
-    k = int(np.searchsorted(s, a, side="right"))  # first support point strictly above a
-    if k >= s.size:
-        return 0.0, None
-    s_k: FloatArray = s[k:]
-    p_k: FloatArray = p[k:]
+    if a < s[0]:  # the common case: nothing spent yet, every point is a candidate
+        s_k: FloatArray = s
+        p_k: FloatArray = p
+    else:
+        k = int(np.searchsorted(s, a, side="right"))  # first support point strictly above a
+        if k >= s.size:
+            return 0.0, None
+        s_k, p_k = s[k:], p[k:]
     left = s_k - a
     finished = np.cumsum(p_k)  # Σ_{a<sᵢ≤sⱼ} pᵢ
     spent_by_finishers = np.cumsum(p_k * left)  # Σ_{a<sᵢ≤sⱼ} pᵢ (sᵢ − a)

@@ -66,7 +66,7 @@ class PolicyQueue:
         self._live[job.id] = (seq, job, key)
         heapq.heappush(self._heap, (key, job.arrival_s, job.id, seq))
         when = self._policy.review_at(job)
-        if when is not None:
+        if when is not None and when > now:  # a review already due was just applied
             heapq.heappush(self._reviews, (when, seq, job.id))
         if len(self._heap) > 2 * len(self._live) + 64:
             self._compact()

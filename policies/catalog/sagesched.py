@@ -40,9 +40,11 @@ class SageSched(Policy):
         """The job's length distribution as SageSched uses it: capped, then conditioned."""
         assert job.dist is not None, "SageSched needs a predicted distribution"
         dist = job.dist
-        if job.max_tokens is not None:
+        if job.max_tokens is not None and dist.support[-1] > job.max_tokens:
             dist = dist.truncate(job.max_tokens)
-        return dist.condition(job.generated)
+        if job.generated >= dist.support[0]:
+            dist = dist.condition(job.generated)
+        return dist
 
     def key(self, job: Job, now: float) -> Key:
         dist = self.belief(job)
