@@ -27,7 +27,9 @@ def test_imports_only_stdlib_and_numpy() -> None:
 
 
 def test_no_clocks_or_io_in_policies() -> None:
-    banned = re.compile(r"\b(time\.(time|monotonic|perf_counter)|datetime\.now|import asyncio|asyncio\.|open\()")
+    banned = re.compile(
+        r"\b(time\.(time|monotonic|perf_counter)|datetime\.now|import asyncio|asyncio\.|open\()"
+    )
     offenders = [
         str(p.relative_to(ROOT))
         for p in (ROOT / "policies").rglob("*.py")
