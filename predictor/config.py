@@ -17,11 +17,16 @@ class PredictorConfig:
     k_neighbours: int = 32
     """How many nearest neighbours one query asks the index for."""
 
-    similarity_floor: float = 0.5
+    similarity_floor: float = 0.2
     """Cosine similarity below which a neighbour is ignored (1 = identical prompt)."""
 
-    similarity_temperature: float = 0.05
+    similarity_temperature: float = 0.2
     """Neighbour weight is exp((similarity − best similarity) / this); smaller = sharper."""
+
+    prompt_length_scale_log: float = 1.0
+    """Neighbours whose prompt length differs by a factor e^x lose weight exp(−x / this), so a
+    pasted 3,000-token document is not answered like a one-line question on the same topic;
+    0 switches this off."""
 
     min_neighbours: int = 8
     """With fewer usable neighbours than this, the prediction is blended with the global
@@ -56,9 +61,10 @@ class PredictorConfig:
     hnsw_ef_search: int = 64
     """hnswlib query-time candidate list size (raised to k when smaller)."""
 
-    embed_max_chars: int = 1_200
-    """Characters of prompt text handed to the embedder (MiniLM reads 256 word pieces,
-    about 1,000–1,200 characters of English); longer text is clipped, see `predictor.text`."""
+    embed_max_chars: int = 512
+    """Characters of prompt text handed to the embedder (about 120 word pieces of English;
+    MiniLM could read 256). Embedding time grows with length, so this is the main speed
+    knob; docs/benchmarks.md compares settings. Longer text is clipped, see `predictor.text`."""
 
     embed_head_fraction: float = 0.25
     """Share of `embed_max_chars` kept from the start of a clipped text; the rest is its end."""
@@ -99,6 +105,8 @@ class PredictorConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not -1.0 <= self.similarity_floor <= 1.0:
             raise ValueError("similarity_floor must be in [-1, 1]")
+        if self.prompt_length_scale_log < 0:
+            raise ValueError("prompt_length_scale_log must be >= 0")
         if self.similarity_temperature <= 0:
             raise ValueError("similarity_temperature must be > 0")
         if not 0.0 <= self.prior_weight < 1.0:

@@ -40,11 +40,20 @@ def prior_dist(median_tokens: float, points: int = 16) -> LengthDist:
     return LengthDist.from_samples(median_tokens * np.exp(_PRIOR_SIGMA * np.asarray(z)))
 
 
-def blend(nb: Neighbours, background: LengthDist, cfg: PredictorConfig) -> LengthDist:
+def blend(
+    nb: Neighbours,
+    background: LengthDist,
+    cfg: PredictorConfig,
+    prompt_tokens: float | None = None,
+) -> LengthDist:
     """The predicted distribution from neighbours and the background (global) one."""
     if len(nb) == 0:
         return background
-    w = np.exp((nb.similarity - nb.similarity.max()) / cfg.similarity_temperature)
+    logw = (nb.similarity - nb.similarity.max()) / cfg.similarity_temperature
+    if prompt_tokens is not None and cfg.prompt_length_scale_log > 0:
+        ratio = np.log(np.maximum(nb.prompt_tokens, 1.0) / max(prompt_tokens, 1.0))
+        logw -= np.abs(ratio) / cfg.prompt_length_scale_log
+    w = np.exp(logw - logw.max())
     missing = max(cfg.min_neighbours - len(nb), 0) / cfg.min_neighbours
     g = max(cfg.prior_weight, missing)
     samples = np.concatenate([nb.output_tokens, background.support])
@@ -144,7 +153,7 @@ class LengthPredictor:
         """Prediction for an already embedded prompt (blocking, ~0.3 ms)."""
         cfg = self.config
         nb = self.index.query(vector, cfg.k_neighbours, cfg.similarity_floor)
-        dist = blend(nb, self.global_dist(prompt_tokens), cfg)
+        dist = blend(nb, self.global_dist(prompt_tokens), cfg, prompt_tokens)
         return dist if max_tokens is None else dist.truncate(max_tokens)
 
     def predict_vectors(
@@ -154,7 +163,7 @@ class LengthPredictor:
         cfg = self.config
         nbs = self.index.query_many(vectors, cfg.k_neighbours, cfg.similarity_floor)
         return [
-            blend(nb, self.global_dist(p), cfg) for nb, p in zip(nbs, prompt_tokens, strict=True)
+            blend(nb, self.global_dist(p), cfg, p) for nb, p in zip(nbs, prompt_tokens, strict=True)
         ]
 
     def predict(

@@ -65,9 +65,7 @@ def chat_text(messages: list[Any], max_chars: int, head_fraction: float = 0.25) 
     return f"{system}\n{clip_text(user, budget, head_fraction)}"
 
 
-def request_text(
-    body: Mapping[str, Any], max_chars: int = 1_200, head_fraction: float = 0.25
-) -> str:
+def request_text(body: Mapping[str, Any], max_chars: int = 512, head_fraction: float = 0.25) -> str:
     """The text to embed for an OpenAI request body (`/v1/chat/completions` with `messages`,
     or `/v1/completions` with `prompt`, a string or a list whose first string is used).
     Returns "" when the body has no text (the predictor then falls back to the global
