@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-WaitingOrder = Literal["arrival", "prompt"]
+WaitingOrder = Literal["arrival", "prompt", "priority"]
 KVModel = Literal["paged", "admission"]
 
 _ENGINES: dict[str, EngineConfig] = {}
@@ -59,7 +59,8 @@ class EngineConfig:
     """Preempt the running sequence with the largest (priority, arrival) rather than the last
     one admitted (vLLM `--scheduling-policy priority`)."""
     waiting_order: WaitingOrder = "arrival"
-    """Engine waiting queue order: arrival (vLLM FCFS) or shortest prompt first (SLAI)."""
+    """Engine waiting queue order: arrival (vLLM FCFS), shortest prompt first (SLAI), or
+    (priority, arrival) with lower priority values first (vLLM `--scheduling-policy priority`)."""
     kv_admit_fraction: float | None = None
     """Admit only while KV use is at most this fraction, unless the request is urgent."""
     urgent_laxity_s: float = 0.25

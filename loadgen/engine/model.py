@@ -204,6 +204,8 @@ class Engine:
         """Waiting sequences in engine order (preempted ones first in arrival mode)."""
         if self.cfg.waiting_order == "prompt":
             return sorted(self.waiting, key=lambda s: (s.prefill_left, s.job.arrival_s, s.job.id))
+        if self.cfg.waiting_order == "priority":
+            return sorted(self.waiting, key=lambda s: (s.job.priority, s.job.arrival_s, s.job.id))
         return list(self.waiting)
 
     def _admit(self, b: _Batch, now: float) -> Blocked:

@@ -151,3 +151,43 @@ class H200Llama3(LatencyProfile):
         first = self.iteration_s(n_decode, decode_context, 0)
         growth = self.k.decode_per_ctx_ms * n_decode * steps * (steps - 1) / 2 / 1000.0
         return steps * first + growth
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTinyCoefficients:
+    """Fitted by `loadgen.engine.fit_cpu` on the vLLM CPU build serving the tiny model
+    (milliseconds per iteration; B decodes, ΣL their context, P prefill tokens)."""
+
+    a_ms: float = 8.0
+    per_seq_ms: float = 0.3
+    per_ctx_ms: float = 0.0
+    per_prefill_tok_ms: float = 0.02
+    prefill_iter_ms: float = 2.0
+    """Extra fixed cost of an iteration that runs any prompt tokens."""
+
+
+CPU_TINY_VLLM = CpuTinyCoefficients()
+
+
+@register_profile
+class CpuTinyVllm(LatencyProfile):
+    """vLLM CPU build (0.32.0, 2 cores) serving the tiny 4-layer Llama of REFERENCE.md §7.
+
+    One linear model for every iteration, wall time including vLLM's scheduler and API
+    overhead as seen by a client: a + b·B + c·ΣL + d·P + e·[P > 0]."""
+
+    name = "cpu-tiny-vllm"
+    description = "vLLM CPU build, tiny Llama on 2 cores: fit of loadgen.engine.fit_cpu"
+    k: ClassVar[CpuTinyCoefficients] = CPU_TINY_VLLM
+
+    def iteration_s(self, n_decode: int, decode_context: int, prefill_tokens: int) -> float:
+        k = self.k
+        ms = k.a_ms + k.per_seq_ms * n_decode + k.per_ctx_ms * decode_context
+        if prefill_tokens:
+            ms += k.prefill_iter_ms + k.per_prefill_tok_ms * prefill_tokens
+        return ms / 1000.0
+
+    def decode_run_s(self, n_decode: int, decode_context: int, steps: int) -> float:
+        first = self.iteration_s(n_decode, decode_context, 0)
+        growth = self.k.per_ctx_ms * n_decode * steps * (steps - 1) / 2 / 1000.0
+        return steps * first + growth

@@ -1,0 +1,85 @@
+"""`sagesched emulate`: serve an emulated vLLM backend driven by the engine model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+
+from loadgen.emulator.server import EmulatorConfig, create_app, make_runner
+from loadgen.engine.configs import engine_names
+from loadgen.engine.profiles import profile_names
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    d = EmulatorConfig()
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__)
+    ap.add_argument("--profile", default=d.profile, choices=profile_names())
+    ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--served-model-name", "--model", dest="model", default=d.model)
+    ap.add_argument(
+        "--time-scale", type=float, default=d.time_scale,
+        help="wall seconds per profile second (0.1: ten times faster)",
+    )  # fmt: skip
+    ap.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    ap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    ap.add_argument(
+        "--reject-priority", action="store_true",
+        help="reject a non-zero priority without priority scheduling (vLLM < 0.32)",
+    )  # fmt: skip
+    ap.add_argument("--engine", default=d.engine, choices=engine_names())
+    ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens)
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    return EmulatorConfig(
+        profile=args.profile,
+        model=args.model,
+        time_scale=args.time_scale,
+        max_model_len=args.max_model_len,
+        priority_scheduling=args.scheduling_policy == "priority",
+        reject_priority=args.reject_priority,
+        engine=args.engine,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_tokens=args.kv_tokens,
+    )
+
+
+async def serve(config: EmulatorConfig, host: str, port: int) -> None:
+    """Run until SIGINT/SIGTERM."""
+    runner, bound = await make_runner(create_app(config), host, port)
+    print(f"emulating vLLM ({config.profile}, model {config.model}) on http://{host}:{bound}",
+          flush=True)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str], prog: str = "sagesched emulate") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        config = config_from_args(args)
+        config.engine_config()
+    except ValueError as e:
+        print(f"{prog}: {e}")
+        return 2
+    asyncio.run(serve(config, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:], "python -m loadgen.emulator.cli"))

@@ -1,0 +1,196 @@
+"""Real-time driver of the engine model (`loadgen.engine`): the emulator's "GPU".
+
+One asyncio task runs the engine one iteration at a time. Each iteration is planned with
+`Engine.step(now, 0)` (a zero horizon means exactly one iteration), then the task sleeps the
+iteration's profile time × `time_scale` and only then makes the iteration's tokens visible:
+a request's `emitted` counter rises and its `event` is set. Handlers wait on that event and
+stream what is new, so no per-token queue exists (memory per request is bounded by design).
+
+Clocks: the engine runs in virtual seconds `v = (loop.time() − t0) / time_scale`; with
+`time_scale = 0.1` the emulator runs ten times faster than the profile says. All methods are
+called on the event loop thread; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loadgen.engine.configs import EngineConfig
+from loadgen.engine.model import Engine, Seq
+from loadgen.engine.profiles import LatencyProfile
+from policies.job import Job
+
+
+@dataclass(slots=True, eq=False)
+class EmuRequest:
+    """One request inside the emulated engine (wall times from `loop.time()`)."""
+
+    seq: Seq
+    arrival_w: float
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set whenever `emitted` rises or the request ends; the consumer clears it."""
+    emitted: int = 0
+    """Output tokens made visible so far (iterations that have ended)."""
+    done: bool = False
+    aborted: bool = False
+    scheduled_w: float | None = None
+    """When the engine first admitted it (end of queue time)."""
+    first_token_w: float | None = None
+    last_token_w: float | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return self.seq.output
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.seq.prompt
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """What `/metrics` reads after every iteration."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_fraction: float = 0.0
+    preemptions: int = 0
+    iterations: int = 0
+
+
+TokenHook = Callable[[EmuRequest, int, float], None]
+"""Called with (request, new tokens, wall time) when an iteration's tokens become visible."""
+
+
+class EngineLoop:
+    """Owns one `Engine` and the task that steps it in real time."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        profile: LatencyProfile,
+        *,
+        time_scale: float = 1.0,
+        on_tokens: TokenHook | None = None,
+        on_iteration: Callable[[LoopStats], None] | None = None,
+    ) -> None:
+        if not time_scale > 0:
+            raise ValueError("time_scale must be positive")
+        self.engine = Engine(config, profile)
+        self.time_scale = time_scale
+        self.stats = LoopStats()
+        self._on_tokens = on_tokens
+        self._on_iteration = on_iteration
+        self._active: dict[int, EmuRequest] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._t0 = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the stepping task (once)."""
+        loop = asyncio.get_running_loop()
+        self._t0 = loop.time()
+        self._task = asyncio.create_task(self._run(), name="emulator-engine")
+
+    async def stop(self) -> None:
+        """Cancel the stepping task and end every request (their consumers see `done`)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for req in list(self._active.values()):
+            self._end(req)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def virtual_now(self) -> float:
+        """Engine clock in virtual seconds."""
+        return (asyncio.get_running_loop().time() - self._t0) / self.time_scale
+
+    def submit(self, prompt_tokens: int, output_tokens: int, priority: int = 0) -> EmuRequest:
+        """Queue a request that will produce exactly `output_tokens` tokens (≥ 1)."""
+        now_w = asyncio.get_running_loop().time()
+        job = Job(next(self._ids), self.virtual_now(), max(1, prompt_tokens), priority=priority)
+        job.max_tokens = output_tokens
+        out = max(1, output_tokens)
+        req = EmuRequest(Seq(job, out, float(out)), now_w)
+        job.ctx = req
+        self.engine.add(req.seq)
+        self._active[job.id] = req
+        self._publish()
+        self._wake.set()
+        return req
+
+    def abort(self, req: EmuRequest) -> None:
+        """Client gone: take the request out of the engine now (idempotent)."""
+        if req.done:
+            return
+        req.aborted = True
+        eng = self.engine
+        if req.seq in eng.running or req.seq in eng.waiting:
+            eng.abort(req.seq)
+        self._end(req)
+        self._publish()
+
+    def _end(self, req: EmuRequest) -> None:
+        req.done = True
+        self._active.pop(req.seq.job.id, None)
+        req.event.set()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not len(self.engine):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start_w = loop.time()
+            result = self.engine.step(self.virtual_now(), 0.0)
+            self._mark_scheduled(start_w)
+            end_w = start_w + result.dt_s * self.time_scale
+            delay = end_w - loop.time()
+            # sleep(0) still yields, so arrivals and aborts interleave with fast iterations
+            await asyncio.sleep(max(0.0, delay))
+            self._deliver(loop.time(), result.finished + result.dropped)
+
+    def _mark_scheduled(self, now_w: float) -> None:
+        for seq in self.engine.running:
+            req: EmuRequest = seq.job.ctx
+            if req.scheduled_w is None:
+                req.scheduled_w = now_w
+
+    def _deliver(self, now_w: float, ended: list[Seq]) -> None:
+        for req in list(self._active.values()):
+            new = req.seq.generated - req.emitted
+            if new > 0:
+                if self._on_tokens is not None:  # before the timestamps move: it reads them
+                    self._on_tokens(req, new, now_w)
+                req.emitted = req.seq.generated
+                if req.first_token_w is None:
+                    req.first_token_w = now_w
+                req.last_token_w = now_w
+                req.event.set()
+        for seq in ended:
+            req = seq.job.ctx
+            if not req.done:
+                self._end(req)
+        self._publish()
+
+    def _publish(self) -> None:
+        eng, st = self.engine, self.stats
+        st.running, st.waiting = len(eng.running), len(eng.waiting)
+        st.kv_fraction = eng.kv_fraction() if not math.isnan(eng.kv_fraction()) else 0.0
+        st.preemptions, st.iterations = eng.preemptions, eng.iterations
+        if self._on_iteration is not None:
+            self._on_iteration(st)

