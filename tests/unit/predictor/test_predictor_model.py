@@ -110,3 +110,13 @@ async def test_predict_async_many_callers(predictor: LengthPredictor) -> None:
     assert len(predictor.index) == 6
     sync = predictor.predict(prompts[0], max_tokens=500)
     assert sync.quantile(0.5) == dists[0].quantile(0.5)
+
+
+def test_blend_prefers_neighbours_with_similar_prompt_length() -> None:
+    cfg = PredictorConfig(min_neighbours=1, prior_weight=0.0, prompt_length_scale_log=0.5)
+    nb = Neighbours(np.array([0.9, 0.9]), np.array([20.0, 800.0]), np.array([10.0, 3000.0]))
+    short = blend(nb, LengthDist.point(1), cfg, prompt_tokens=12)
+    long = blend(nb, LengthDist.point(1), cfg, prompt_tokens=2500)
+    assert short.quantile(0.5) == 20 and long.quantile(0.5) == 800
+    off = PredictorConfig(min_neighbours=1, prior_weight=0.0, prompt_length_scale_log=0.0)
+    assert blend(nb, LengthDist.point(1), off, prompt_tokens=12).cdf(20) == pytest.approx(0.5)
