@@ -141,3 +141,15 @@ def summarize(records: Sequence[RequestRecord], *, token_s: float = 0.001) -> di
 def violations(records: Sequence[RequestRecord]) -> int:
     """Arrivals that did not finish by their deadline."""
     return sum(not r.met_slo() for r in records)
+
+
+def late_rate(records: Sequence[RequestRecord]) -> float:
+    """Completed requests that finished after their deadline, over completed requests.
+
+    The portability paper's SLO-violation rate (dropped requests are not counted; NaN when
+    nothing completed). `summarize`'s `slo_violation_rate` counts over all arrivals instead.
+    """
+    done = [r for r in records if r.completed]
+    if not done:
+        return math.nan
+    return sum(not r.met_slo() for r in done) / len(done)

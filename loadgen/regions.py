@@ -37,14 +37,21 @@ KNEE_THRESHOLD = 0.005
 """FCFS SLO-violation rate that defines the knee."""
 
 
-def compress(requests: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
-    """The requests on a clock sped up `factor` times (gaps and SLO slack divided by it)."""
-    if factor <= 0:
+def compress(
+    requests: Sequence[TraceRequest], factor: float, *, slo_factor: float | None = None
+) -> list[TraceRequest]:
+    """The requests on a clock sped up `factor` times (gaps and SLO slack divided by it).
+
+    With `slo_factor`, SLO slack is divided by `slo_factor` instead, so load and SLO tightness
+    can be moved separately (the study's utilisation axis holds slack fixed).
+    """
+    slo = factor if slo_factor is None else slo_factor
+    if factor <= 0 or slo <= 0:
         raise ValueError("load factor must be positive")
     out = []
     for r in requests:
         arrival = r.arrival_s / factor
-        deadline = None if r.deadline_s is None else arrival + (r.deadline_s - r.arrival_s) / factor
+        deadline = None if r.deadline_s is None else arrival + (r.deadline_s - r.arrival_s) / slo
         out.append(dataclasses.replace(r, arrival_s=arrival, deadline_s=deadline))
     return out
 

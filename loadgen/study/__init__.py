@@ -1,0 +1,1 @@
+"""Portability study and SageSched evaluation in simulation (`sagesched study`)."""
