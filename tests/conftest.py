@@ -5,4 +5,8 @@ them: `emulator_url` / `start_emulator` (in-process emulated vLLM) and `real_vll
 `real_vllm_priority` (one real vLLM CPU server per test session; slow).
 """
 
-pytest_plugins = ["fixtures.emulator_fixtures", "fixtures.real_vllm_fixtures"]
+pytest_plugins = [
+    "fixtures.emulator_fixtures",
+    "fixtures.gateway_fixtures",
+    "fixtures.real_vllm_fixtures",
+]

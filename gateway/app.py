@@ -1,0 +1,384 @@
+"""The aiohttp application: routes, error rendering, and paired start/stop of resources.
+
+Request flow (`completion`): authenticate → read the body (413 beyond the limit) → validate
+(400) → resolve the model (404) → predict the output-length distribution (timed; part of
+TTFT) → `Relay.serve` (queue, dispatch, relay) → settle metrics and, on completion, teach the
+predictor the true length in the background. Every request records exactly one `Outcome`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.backends import BackendPool
+from gateway.config import GatewayConfig, as_dict
+from gateway.dispatcher import Dispatcher
+from gateway.errors import (
+    GatewayError,
+    MethodNotAllowed,
+    ModelNotFound,
+    NotFoundRoute,
+    Outcome,
+    PayloadTooLarge,
+    Unauthorized,
+)
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
+from gateway.openai_api import Kind, parse_body, parse_call
+from gateway.relay import Relay
+from policies import LengthDist, parse_policy
+
+if TYPE_CHECKING:
+    from predictor import LengthPredictor
+
+log = logging.getLogger("sagesched.gateway")
+
+UNKNOWN_MODEL = "unknown"
+MAX_PENDING_OBSERVATIONS = 1024  # bounds memory if the predictor falls behind the traffic
+TENANT_HEADER = "X-SageSched-Tenant"
+
+
+@dataclass
+class GatewayState:
+    """Everything the handlers share; built in `lifecycle`, one per app."""
+
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    pool: BackendPool
+    dispatcher: Dispatcher
+    relay: Relay
+    predictor: LengthPredictor | None
+    learning: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+STATE = web.AppKey("sagesched_state", GatewayState)
+CONFIG = web.AppKey("sagesched_config", GatewayConfig)
+PREDICTOR = web.AppKey("sagesched_predictor", object)
+
+
+def render(error: GatewayError) -> web.Response:
+    """The one place a `GatewayError` becomes an HTTP response."""
+    return web.json_response(error.body(), status=error.status, headers=error.headers())
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """aiohttp's own HTTP errors (unknown route, wrong method) in OpenAI's format."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return render(NotFoundRoute(f"no route {request.method} {request.path}"))
+    except web.HTTPMethodNotAllowed:
+        return render(MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return render(PayloadTooLarge(exc.text or "request body too large"))
+
+
+def create_app(
+    config: GatewayConfig, *, predictor: LengthPredictor | None = None
+) -> web.Application:
+    """Build the gateway app. Pass `predictor` to share a loaded one (tests, embedding)."""
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    app[CONFIG] = config
+    if predictor is not None:
+        app[PREDICTOR] = predictor
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/chat/completions", _completion("chat"))
+    app.router.add_post("/v1/completions", _completion("completions"))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/queue", admin_queue)
+    app.router.add_get("/admin/backends", admin_backends)
+    return app
+
+
+async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Start the HTTP client, backend pool and predictor; stop them in reverse order."""
+    config = app[CONFIG]
+    policy = parse_policy(config.policy)
+    log.info("effective config: %s", as_dict(config))
+    metrics = GatewayMetrics()
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    holder: list[Dispatcher] = []
+    pool = BackendPool(
+        config.backends,
+        session,
+        metrics,
+        on_capacity=lambda: holder[0].pump() if holder else None,
+        health_interval_s=config.health_interval_s,
+        adaptive=config.adaptive_cap,
+    )
+    dispatcher = Dispatcher(policy, pool, metrics, config)
+    holder.append(dispatcher)
+    predictor = await _start_predictor(app, config, policy.needs_prediction)
+    state = GatewayState(
+        config, metrics, pool, dispatcher, Relay(session, dispatcher, config), predictor
+    )
+    app[STATE] = state
+    await pool.start()
+    saver = _start_saver(state)
+    try:
+        yield
+    finally:
+        if saver is not None:
+            saver.cancel()
+        await pool.stop()
+        await asyncio.gather(*state.learning, return_exceptions=True)
+        await _stop_predictor(app, state)
+        await session.close()
+
+
+# -- the completion handler -----------------------------------------------------------
+
+
+def _completion(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        trace = RequestTrace(
+            model=UNKNOWN_MODEL, arrived=time.monotonic(), policy=state.dispatcher.label
+        )
+        try:
+            return await _serve(state, request, kind, trace)
+        except GatewayError as exc:
+            trace.outcome, trace.status = exc.outcome, exc.status
+            return render(exc)
+        except asyncio.CancelledError:
+            if trace.outcome is None:
+                running = trace.dispatched is not None
+                trace.outcome = Outcome.CANCELLED_RUNNING if running else Outcome.CANCELLED_WAITING
+                trace.status = 499
+            raise
+        except Exception:
+            log.exception("internal error on %s", request.path)
+            trace.outcome, trace.status = Outcome.INTERNAL_ERROR, 500
+            return render(GatewayError("internal error in the gateway"))
+        finally:
+            state.metrics.settle(trace)
+
+    return handler
+
+
+async def _serve(
+    state: GatewayState, request: web.Request, kind: Kind, trace: RequestTrace
+) -> web.StreamResponse:
+    _authorize(request, state.config.api_keys)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body exceeds {state.config.max_body_bytes} bytes") from None
+    call = parse_call(kind, parse_body(raw), request.headers.get(TENANT_HEADER))
+    if not state.pool.serves(call.model):
+        raise ModelNotFound(f"the model '{call.model}' does not exist", param="model")
+    trace.model = call.model
+    dist = await _predict(state, call.body, call.prompt_tokens_estimate, call.max_tokens, trace)
+    job = state.dispatcher.new_job(call, trace, dist)
+    response = await state.relay.serve(request, job)
+    if (
+        trace.outcome is Outcome.COMPLETED
+        and state.predictor is not None
+        and trace.output_tokens > 0
+    ):
+        _learn(state, call.body, trace.output_tokens, call.prompt_tokens_estimate)
+    return response
+
+
+async def _predict(
+    state: GatewayState,
+    body: dict[str, Any],
+    prompt_tokens: int,
+    max_tokens: int | None,
+    trace: RequestTrace,
+) -> LengthDist | None:
+    if state.predictor is None:
+        return None
+    from predictor import request_text
+
+    start = time.monotonic()
+    dist = await state.predictor.predict_async(
+        request_text(body), prompt_tokens=prompt_tokens, max_tokens=max_tokens
+    )
+    trace.predictor_s = time.monotonic() - start
+    trace.predicted_median = dist.quantile(0.5)
+    return dist
+
+
+def _learn(
+    state: GatewayState, body: dict[str, Any], output_tokens: int, prompt_tokens: int
+) -> None:
+    """Teach the predictor the true length, in the background (bounded)."""
+    if state.predictor is None or len(state.learning) >= MAX_PENDING_OBSERVATIONS:
+        return
+    from predictor import request_text
+
+    task = asyncio.create_task(
+        state.predictor.observe_async(request_text(body), output_tokens, prompt_tokens)
+    )
+    state.learning.add(task)
+    task.add_done_callback(_forget(state))
+
+
+def _forget(state: GatewayState) -> Callable[[asyncio.Task[None]], None]:
+    def done(task: asyncio.Task[None]) -> None:
+        state.learning.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("predictor failed to learn a completion: %r", task.exception())
+
+    return done
+
+
+def _authorize(request: web.Request, keys: tuple[str, ...]) -> None:
+    if not keys:
+        return
+    header = request.headers.get("Authorization", "")
+    token = header[7:] if header.startswith("Bearer ") else ""
+    if token not in keys:
+        raise Unauthorized("missing or invalid API key")
+
+
+# -- other routes -----------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        _authorize(request, state.config.api_keys)
+    except GatewayError as exc:
+        return render(exc)
+    return web.json_response({"object": "list", "data": state.pool.model_cards()})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    if request.app[STATE].pool.ready():
+        return web.json_response({"status": "ready"})
+    return web.json_response({"status": "no healthy backend"}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _admin(request: web.Request) -> GatewayState:
+    state = request.app[STATE]
+    key = state.config.admin_key
+    if key is None:
+        raise web.HTTPNotFound()
+    if request.headers.get("Authorization", "") != f"Bearer {key}":
+        raise _Render(Unauthorized("admin routes need the admin key"))
+    return state
+
+
+class _Render(Exception):
+    def __init__(self, error: GatewayError) -> None:
+        self.error = error
+
+
+async def admin_queue(request: web.Request) -> web.Response:
+    try:
+        state = _admin(request)
+    except _Render as exc:
+        return render(exc.error)
+    return web.json_response(
+        {
+            "policy": state.dispatcher.label,
+            "waiting": state.dispatcher.waiting(),
+            "jobs": state.dispatcher.snapshot(),
+        }
+    )
+
+
+async def admin_backends(request: web.Request) -> web.Response:
+    try:
+        state = _admin(request)
+    except _Render as exc:
+        return render(exc.error)
+    rows = [
+        {
+            "name": b.name,
+            "url": b.url,
+            "healthy": b.healthy,
+            "inflight": b.inflight,
+            "cap": b.cap,
+            "models": sorted(b.models),
+            "priority_scheduling": b.config.priority_scheduling,
+        }
+        for b in state.pool.backends
+    ]
+    return web.json_response({"backends": rows})
+
+
+# -- predictor lifecycle ------------------------------------------------------------------
+
+
+async def _start_predictor(
+    app: web.Application, config: GatewayConfig, needed: bool
+) -> LengthPredictor | None:
+    settings = config.predictor
+    enabled = needed if settings.enabled is None else settings.enabled
+    if needed and not enabled:
+        raise ValueError(f"policy {config.policy!r} needs the predictor; do not disable it")
+    if not enabled:
+        return None
+    given = app.get(PREDICTOR)
+    if given is not None:
+        return given  # type: ignore[return-value]
+    return await asyncio.to_thread(_load_predictor, config)
+
+
+def _load_predictor(config: GatewayConfig) -> LengthPredictor:
+    from predictor import LengthPredictor
+
+    settings = config.predictor
+    path = settings.snapshot_path
+    if path and os.path.exists(path):
+        log.info("predictor: loading snapshot %s", path)
+        return LengthPredictor.load(path)
+    predictor = LengthPredictor()
+    if settings.warm_start_jsonl:
+        n = predictor.warm_start(settings.warm_start_jsonl)
+        log.info("predictor: warm start learned %d requests", n)
+    return predictor
+
+
+def _start_saver(state: GatewayState) -> asyncio.Task[None] | None:
+    settings = state.config.predictor
+    if state.predictor is None or not settings.snapshot_path or settings.save_interval_s <= 0:
+        return None
+
+    async def loop() -> None:
+        assert state.predictor is not None and settings.snapshot_path
+        while True:
+            await asyncio.sleep(settings.save_interval_s)
+            await asyncio.to_thread(state.predictor.save, settings.snapshot_path)
+
+    return asyncio.create_task(loop(), name="predictor-saver")
+
+
+async def _stop_predictor(app: web.Application, state: GatewayState) -> None:
+    predictor = state.predictor
+    if predictor is None:
+        return
+    path = state.config.predictor.snapshot_path
+    if path:
+        await asyncio.to_thread(predictor.save, path)
+    # The async embedder is bound to this loop; a shared predictor makes a new one lazily.
+    with contextlib.suppress(Exception):
+        await predictor.aclose()

@@ -1,0 +1,123 @@
+"""`sagesched serve`: run the gateway.
+
+Configuration comes from an optional YAML file, then SAGESCHED_* environment variables, then
+these flags (`gateway.config`). `--backend URL` may be repeated; the flags describe those
+backends fully, so no file is needed for a simple deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from gateway.config import ConfigError, GatewayConfig, load
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run the SageSched scheduling gateway.")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument(
+        "--backend", action="append", metavar="URL", help="backend base URL (repeatable)"
+    )
+    p.add_argument("--max-inflight", type=int, help="in-flight cap for each --backend (default 8)")
+    p.add_argument("--backend-priority", action="store_true", default=None,
+                   help="the --backend servers run vLLM --scheduling-policy priority")  # fmt: skip
+    p.add_argument(
+        "--policy", help="policy spec, e.g. sagesched or fcfs (see `sagesched policies`)"
+    )
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8080)")
+    p.add_argument("--admin-key", help="bearer token for /admin routes")
+    p.add_argument("--api-key", action="append", help="accepted client API key (repeatable)")
+    p.add_argument("--max-waiting", type=int, help="queue bound (429 beyond)")
+    p.add_argument("--queue-timeout", type=float, dest="queue_timeout_s", help="seconds before 503")
+    p.add_argument("--preemption", action="store_true", default=None, help="allow preemption")
+    p.add_argument("--forward-priority", action="store_true", default=None,
+                   help="send the queue rank as vLLM priority to priority backends")  # fmt: skip
+    p.add_argument(
+        "--adaptive-cap", action="store_true", default=None, help="adapt caps from vLLM metrics"
+    )
+    p.add_argument("--predictor-snapshot", help="load/save the predictor history here")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    return p
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Flags as config keys (None = not given)."""
+    out: dict[str, Any] = {
+        k: getattr(args, k)
+        for k in (
+            "policy",
+            "host",
+            "port",
+            "admin_key",
+            "max_waiting",
+            "queue_timeout_s",
+            "preemption",
+            "forward_priority",
+            "log_level",
+        )
+    }
+    if args.api_key:
+        out["api_keys"] = args.api_key
+    if args.backend:
+        out["backends"] = [
+            {
+                "url": url,
+                "max_inflight": args.max_inflight or 8,
+                "priority_scheduling": bool(args.backend_priority),
+            }
+            for url in args.backend
+        ]
+    if args.adaptive_cap:
+        out["adaptive_cap"] = {"enabled": True}
+    if args.predictor_snapshot:
+        out["predictor"] = {"snapshot_path": args.predictor_snapshot}
+    return out
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully (in-flight requests get time)."""
+    from gateway.app import create_app
+
+    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    await site.start()
+    logging.getLogger("sagesched.gateway").info(
+        "listening on http://%s:%d", config.host, config.port
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str], prog: str = "sagesched serve") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        config = load(args.config, overrides(args))
+    except (ConfigError, OSError) as exc:
+        print(f"{prog}: {exc}")
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop
+
+        uvloop.run(serve(config))
+    except ImportError:
+        asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,283 @@
+"""Typed gateway configuration and the pipeline that builds it.
+
+Steps, each a named function: `parse` (YAML text → dict) → `apply_env` (SAGESCHED_* variables)
+→ `apply_overrides` (command-line flags) → `build` (dict → frozen dataclasses; unknown keys and
+wrong types are errors) → `validate` (cross-field rules). The effective config is logged at
+start (`as_dict`) with secrets masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One OpenAI-compatible inference server (vLLM)."""
+
+    url: str
+    """Base URL without `/v1`, e.g. `http://10.0.0.5:8000`."""
+    name: str = ""
+    """Label used in metrics and logs; defaults to host:port."""
+    models: tuple[str, ...] = ()
+    """Models it serves; empty = discover from its `/v1/models`."""
+    max_inflight: int = 8
+    """Requests the gateway lets run on it at once (fixed cap, or the adaptive start)."""
+    api_key: str | None = None
+    """Bearer token sent upstream, if the backend wants one."""
+    priority_scheduling: bool = False
+    """The backend runs `--scheduling-policy priority`, so it accepts `priority`."""
+
+
+@dataclass(frozen=True)
+class AdaptiveCapConfig:
+    """Control law for the in-flight cap (see `gateway.backends.AdaptiveCap`)."""
+
+    enabled: bool = False
+    """Adjust each backend's cap from its own `/metrics`."""
+    min_inflight: int = 1
+    """Lowest cap."""
+    max_inflight: int = 256
+    """Highest cap."""
+    interval_s: float = 1.0
+    """Seconds between scrapes."""
+    kv_high: float = 0.90
+    """KV-cache usage above which the cap shrinks."""
+    waiting_high: float = 1.0
+    """vLLM waiting requests above which the cap shrinks."""
+
+
+@dataclass(frozen=True)
+class PredictorSettings:
+    """The semantic length predictor in the gateway."""
+
+    enabled: bool | None = None
+    """True/False, or None = on exactly when the policy needs predictions."""
+    snapshot_path: str | None = None
+    """Load the history from here at start and save it here periodically and at exit."""
+    warm_start_jsonl: str | None = None
+    """Learn this JSONL of {prompt, output_tokens} at start (if no snapshot exists)."""
+    save_interval_s: float = 300.0
+    """Seconds between snapshots (0 = only at exit)."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything `sagesched serve` needs."""
+
+    host: str = "127.0.0.1"
+    """Listen address."""
+    port: int = 8080
+    """Listen port."""
+    policy: str = "sagesched"
+    """Policy spec, `name[:key=value,...]` (see `sagesched policies`)."""
+    backends: tuple[BackendConfig, ...] = ()
+    """Upstream servers."""
+    max_waiting: int = 10_000
+    """Queue bound; beyond it requests get 429 (protects memory and latency)."""
+    queue_timeout_s: float = 600.0
+    """Longest wait in the queue before 503."""
+    retry_after_s: int = 1
+    """Retry-After seconds sent with 429."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body accepted (413 beyond)."""
+    max_retries: int = 2
+    """Extra backends tried when one fails before the first byte."""
+    api_keys: tuple[str, ...] = ()
+    """Accepted client bearer tokens; empty = no client auth."""
+    admin_key: str | None = None
+    """Bearer token for /admin routes; None = admin routes disabled."""
+    health_interval_s: float = 2.0
+    """Seconds between backend health checks."""
+    connect_timeout_s: float = 5.0
+    """Upstream connect timeout."""
+    read_timeout_s: float = 600.0
+    """Longest silence from an upstream stream before it counts as failed."""
+    preemption: bool = False
+    """Let preemptive policies abort and requeue running requests as continuations."""
+    preemption_margin: float = 0.2
+    """A waiting job must beat the victim's primary key by this fraction."""
+    forward_priority: bool = False
+    """Send the job's queue rank as vLLM `priority` to backends with priority scheduling."""
+    adaptive_cap: AdaptiveCapConfig = field(default_factory=AdaptiveCapConfig)
+    predictor: PredictorSettings = field(default_factory=PredictorSettings)
+    log_level: str = "INFO"
+    """Python logging level."""
+
+
+# -- pipeline ---------------------------------------------------------------------------
+
+
+def parse(text: str) -> dict[str, Any]:
+    """YAML text → mapping (empty text → {})."""
+    data = yaml.safe_load(text) if text.strip() else {}
+    if not isinstance(data, dict):
+        raise ConfigError("the config file must hold a mapping at the top level")
+    return data
+
+
+ENV_PREFIX = "SAGESCHED_"
+_ENV_KEYS = {
+    "HOST": "host",
+    "PORT": "port",
+    "POLICY": "policy",
+    "ADMIN_KEY": "admin_key",
+    "API_KEYS": "api_keys",
+    "BACKENDS": "backends",
+    "MAX_WAITING": "max_waiting",
+    "QUEUE_TIMEOUT_S": "queue_timeout_s",
+    "LOG_LEVEL": "log_level",
+}
+
+
+def apply_env(data: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Overlay SAGESCHED_* variables (lists are comma-separated)."""
+    env = os.environ if env is None else env
+    out = dict(data)
+    for suffix, key in _ENV_KEYS.items():
+        value = env.get(ENV_PREFIX + suffix)
+        if value is None:
+            continue
+        if key == "backends":
+            out[key] = [{"url": u.strip()} for u in value.split(",") if u.strip()]
+        elif key == "api_keys":
+            out[key] = [k.strip() for k in value.split(",") if k.strip()]
+        else:
+            out[key] = value
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Overlay explicit values (command-line flags); None means "not given"."""
+    out = dict(data)
+    out.update({k: v for k, v in overrides.items() if v is not None})
+    return out
+
+
+def build(data: Mapping[str, Any]) -> GatewayConfig:
+    """Mapping → `GatewayConfig`, rejecting unknown keys and values of the wrong type."""
+    config: GatewayConfig = _build(GatewayConfig, data, "")
+    validate(config)
+    return config
+
+
+def validate(config: GatewayConfig) -> None:
+    """Cross-field rules."""
+    if not config.backends:
+        raise ConfigError("at least one backend is required (--backend URL)")
+    names = [b.name for b in config.backends]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"backend names must be unique, got {names}")
+    for b in config.backends:
+        if not b.url.startswith(("http://", "https://")):
+            raise ConfigError(f"backend url {b.url!r} must start with http:// or https://")
+        if b.max_inflight < 1:
+            raise ConfigError(f"backends[{b.name}].max_inflight must be >= 1")
+    for key in ("max_waiting", "max_body_bytes", "port"):
+        if getattr(config, key) < 1:
+            raise ConfigError(f"{key} must be >= 1")
+    if config.queue_timeout_s <= 0:
+        raise ConfigError("queue_timeout_s must be > 0")
+    from policies import parse_policy
+
+    try:
+        parse_policy(config.policy)
+    except ValueError as exc:
+        raise ConfigError(f"policy: {exc}") from None
+
+
+def load(
+    path: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> GatewayConfig:
+    """The whole pipeline: file (optional) → environment → flags → typed config."""
+    text = ""
+    if path is not None:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    data = apply_overrides(apply_env(parse(text), env), overrides or {})
+    return build(data)
+
+
+def as_dict(config: GatewayConfig) -> dict[str, Any]:
+    """The effective config as plain data, secrets masked (for the start-up log)."""
+    data = dataclasses.asdict(config)
+    if data["admin_key"]:
+        data["admin_key"] = "***"
+    data["api_keys"] = ["***"] * len(data["api_keys"])
+    for b in data["backends"]:
+        if b["api_key"]:
+            b["api_key"] = "***"
+    return data
+
+
+# -- dict → dataclass -------------------------------------------------------------------
+
+
+def _build(cls: type[Any], data: Any, where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where or 'config'}")
+    kwargs = {k: _convert(hints[k], v, f"{where}{k}") for k, v in data.items()}
+    if cls is BackendConfig and not kwargs.get("name"):
+        url = str(kwargs.get("url", ""))
+        kwargs["name"] = url.split("://", 1)[-1].rstrip("/")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is types.UnionType or origin is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else _convert(args[0], value, where)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where + ".")  # type: ignore[arg-type]
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where} must be a list")
+        item = typing.get_args(hint)[0]
+        return tuple(_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    return _scalar(hint, value, where)
+
+
+def _scalar(hint: Any, value: Any, where: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str | int | float):
+            raise ConfigError(f"{where} must be a string")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported type {hint}")

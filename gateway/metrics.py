@@ -1,0 +1,165 @@
+"""Prometheus metrics: the only module that imports prometheus-client.
+
+The hot path records plain `RequestTrace` objects; `GatewayMetrics.settle` turns one into
+metric updates when the request ends. Each app gets its own `CollectorRegistry`, so tests and
+several gateways in one process never share series. Names carry units and the `sagesched_`
+prefix; histogram edges follow vLLM's own (REFERENCE.md §4) so gateway and engine series can
+be compared bucket for bucket, with a few finer edges below vLLM's first one, where gateway
+overhead lives. Labels are bounded: model (validated against the backends' models), backend
+(from config), policy (one per process), outcome (an enum), code (HTTP status).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gateway.errors import Outcome
+
+# vLLM's edges (vllm/v1/metrics/loggers.py) with finer ones prepended for sub-ms overhead.
+TTFT_BUCKETS_S = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS_S = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+PREDICTOR_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+ERROR_RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """Times (monotonic seconds) and counts of one request, filled as it proceeds."""
+
+    model: str
+    arrived: float
+    policy: str
+    backend: str = ""
+    dispatched: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    output_tokens: int = 0
+    predicted_median: float | None = None
+    predictor_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    outcome: Outcome | None = None
+    status: int = 200
+
+
+class GatewayMetrics:
+    """The gateway's series, registered in a private registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        mbp = ("model", "backend", "policy")
+        self.ttft = Histogram(
+            "sagesched_time_to_first_token_seconds",
+            "Arrival at the gateway to the first streamed token relayed.",
+            mbp, buckets=TTFT_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.ttlt = Histogram(
+            "sagesched_time_to_last_token_seconds",
+            "Arrival at the gateway to the last token relayed (end-to-end latency).",
+            mbp, buckets=E2E_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "sagesched_inter_token_latency_seconds",
+            "Gap between consecutive streamed chunks, measured at the gateway.",
+            mbp, buckets=ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.queue_wait = Histogram(
+            "sagesched_queue_wait_seconds",
+            "Time from admission to dispatch to a backend.",
+            ("model", "policy"), buckets=TTFT_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.predictor_latency = Histogram(
+            "sagesched_predictor_latency_seconds",
+            "Time to predict a request's output-length distribution.",
+            ("model",), buckets=PREDICTOR_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.prediction_error = Histogram(
+            "sagesched_prediction_error_ratio",
+            "|predicted median - true output tokens| / true output tokens.",
+            ("model", "policy"), buckets=ERROR_RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            "sagesched_requests",
+            "Requests by terminal state and HTTP status.",
+            ("model", "policy", "outcome", "code"), registry=r,
+        )  # fmt: skip
+        self.output_tokens = Counter(
+            "sagesched_output_tokens", "Output tokens relayed.", ("model", "backend"), registry=r
+        )
+        self.preemptions = Counter(
+            "sagesched_preemptions", "Running requests preempted and requeued.",
+            ("model", "backend", "policy"), registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "sagesched_retries", "Requests retried on another backend before the first byte.",
+            ("model", "backend"), registry=r,
+        )  # fmt: skip
+        self.queue_depth = Gauge(
+            "sagesched_queue_depth", "Requests waiting in the gateway queue.",
+            ("model", "policy"), registry=r,
+        )  # fmt: skip
+        self.inflight = Gauge(
+            "sagesched_backend_inflight", "Requests running on a backend.", ("backend",), registry=r
+        )
+        self.cap = Gauge(
+            "sagesched_backend_inflight_cap", "Current in-flight cap of a backend.",
+            ("backend",), registry=r,
+        )  # fmt: skip
+        self.healthy = Gauge(
+            "sagesched_backend_healthy", "1 if the backend passed its last health check.",
+            ("backend",), registry=r,
+        )  # fmt: skip
+
+    def settle(self, t: RequestTrace) -> None:
+        """Record a finished request (exactly once per request)."""
+        assert t.outcome is not None, "a request must end with an outcome"
+        self.requests.labels(t.model, t.policy, t.outcome.value, str(t.status)).inc()
+        if t.dispatched is not None:
+            self.queue_wait.labels(t.model, t.policy).observe(t.dispatched - t.arrived)
+        if t.predictor_s is not None:
+            self.predictor_latency.labels(t.model).observe(t.predictor_s)
+        if t.first_token is None or not t.backend:
+            return
+        labels = (t.model, t.backend, t.policy)
+        self.ttft.labels(*labels).observe(t.first_token - t.arrived)
+        itl = self.itl.labels(*labels)
+        for gap in t.gaps_s:
+            itl.observe(gap)
+        self.output_tokens.labels(t.model, t.backend).inc(t.output_tokens)
+        if t.outcome is Outcome.COMPLETED and t.finished is not None:
+            self.ttlt.labels(*labels).observe(t.finished - t.arrived)
+            if t.predicted_median is not None and t.output_tokens > 0:
+                err = abs(t.predicted_median - t.output_tokens) / t.output_tokens
+                self.prediction_error.labels(t.model, t.policy).observe(err)
+
+    def exposition(self) -> bytes:
+        """The text exposition format of every series."""
+        return generate_latest(self.registry)
+
+
+def scrape_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum every sample of each named series in a Prometheus text exposition (e.g. a
+    backend's `/metrics`); names absent from the text are absent from the result."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    wanted = set(names)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out

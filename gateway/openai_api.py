@@ -1,0 +1,169 @@
+"""Validation of OpenAI request bodies and the upstream bodies the gateway sends.
+
+The gateway checks only what it relies on (model, messages/prompt, stream, token caps,
+priority, stream options) and forwards every other field untouched, so new vLLM parameters
+pass through without a gateway release.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.errors import InvalidRequest
+
+Kind = Literal["chat", "completions"]
+
+# A cheap prompt-size estimate (≈4 characters per token for English BPE vocabularies). The
+# scheduler only needs a magnitude for the kv cost model; vLLM's usage gives exact counts.
+CHARS_PER_TOKEN = 4.0
+
+
+@dataclass(slots=True)
+class Call:
+    """One validated client request."""
+
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    wants_usage: bool
+    """The client asked for the usage chunk (`stream_options.include_usage`)."""
+    max_tokens: int | None
+    priority: int
+    prompt_text: str
+    """All prompt text, for the size estimate and continuations."""
+    tenant: str
+
+    @property
+    def prompt_tokens_estimate(self) -> int:
+        return max(1, round(len(self.prompt_text) / CHARS_PER_TOKEN))
+
+    @property
+    def continuable(self) -> bool:
+        """Can this request be preempted and resumed as a continuation?"""
+        if not self.stream or self.body.get("n", 1) not in (1, None):
+            return False
+        return self.kind == "chat" or isinstance(self.body.get("prompt"), str)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """JSON object or `InvalidRequest`."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def parse_call(kind: Kind, body: dict[str, Any], tenant: str | None = None) -> Call:
+    """Validate the fields the gateway uses; raise `InvalidRequest` naming the bad one."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a string", param="model")
+    stream = _typed(body, "stream", bool, False)
+    options = _typed(body, "stream_options", dict, None)
+    wants_usage = bool(options and options.get("include_usage") is True)
+    if options is not None and not stream:
+        raise InvalidRequest("'stream_options' requires 'stream': true", param="stream_options")
+    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    priority = _typed(body, "priority", int, 0)
+    user = _typed(body, "user", str, None)
+    text = _chat_text(body) if kind == "chat" else _prompt_text(body)
+    return Call(
+        kind=kind,
+        body=body,
+        model=model,
+        stream=stream,
+        wants_usage=wants_usage,
+        max_tokens=max_tokens,
+        priority=priority,
+        prompt_text=text,
+        tenant=tenant or user or "default",
+    )
+
+
+def _typed(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    # bool is an int in Python; refuse it where a number is meant, and numbers where a bool is.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidRequest(f"'{key}' must be of type {kind.__name__}", param=key)
+    return value
+
+
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = _typed(body, key, int, None)
+    if value is not None and value < 1:
+        raise InvalidRequest(f"'{key}' must be >= 1", param=key)
+    return value  # type: ignore[no-any-return]
+
+
+def _chat_text(body: dict[str, Any]) -> str:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+        elif content is not None:
+            raise InvalidRequest(
+                f"messages[{i}].content must be a string or a list", param="messages"
+            )
+    return "\n".join(parts)
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return "\n".join(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return " " * (len(prompt) * int(CHARS_PER_TOKEN))  # token ids: only the size matters
+    raise InvalidRequest(
+        "'prompt' must be a string, a list of strings or token ids", param="prompt"
+    )
+
+
+def upstream_body(
+    call: Call, *, priority: int | None, continuation: str = "", done_tokens: int = 0
+) -> dict[str, Any]:
+    """The body sent to a backend: the client's, plus what the gateway needs.
+
+    Always asks for the usage chunk when streaming (true output length for the predictor and
+    metrics); sets or strips `priority` depending on the backend; and for a continuation
+    after preemption appends the text generated so far and lowers the token cap.
+    """
+    body = dict(call.body)
+    if call.stream:
+        body["stream_options"] = {**(call.body.get("stream_options") or {}), "include_usage": True}
+    if priority is None:
+        body.pop("priority", None)
+    else:
+        body["priority"] = priority
+    if not continuation:
+        return body
+    if call.max_tokens is not None:
+        left = max(1, call.max_tokens - done_tokens)
+        body.pop("max_tokens", None)
+        body["max_completion_tokens" if call.kind == "chat" else "max_tokens"] = left
+    if call.kind == "chat":
+        body["messages"] = [*call.body["messages"], {"role": "assistant", "content": continuation}]
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    else:
+        body["prompt"] = call.body["prompt"] + continuation
+    return body

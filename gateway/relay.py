@@ -1,0 +1,284 @@
+"""The relay: one request's trip to a backend and back, with retries and continuations.
+
+Streaming answers are relayed event by event with as little work per event as possible: no
+JSON parsing of token chunks unless preemption needs the text, a byte check to recognise the
+usage chunk (always requested upstream; dropped again if the client did not ask for it), and
+one write per event. TTFT, inter-token gaps and TTLT are measured here, on the gateway's
+monotonic clock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.backends import Backend
+from gateway.config import GatewayConfig
+from gateway.dispatcher import Dispatcher, Ticket
+from gateway.errors import GatewayError, Outcome, UpstreamBroken, UpstreamRejected, sse_error_event
+from gateway.openai_api import upstream_body
+from policies import Job
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_USAGE_MARK = b'"choices":[]'
+_EMPTY_CONTENT = (b'"content":""', b'"content": ""', b'"delta":{}', b'"delta": {}')
+_ROLE_MARK = b'"role":"assistant"'
+
+
+class _Retryable(Exception):
+    """The backend failed before sending anything: try another one."""
+
+    def __init__(self, reason: str, *, down: bool) -> None:
+        super().__init__(reason)
+        self.down = down
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+@dataclass(slots=True)
+class StreamState:
+    """What has reached the client so far, across preemption segments."""
+
+    response: web.StreamResponse | None = None
+    text: str = ""
+    """Generated text so far (kept only when the request may be preempted)."""
+    tokens: int = 0
+    """Token chunks relayed so far (all segments)."""
+    tokens_before: int = 0
+    """Tokens relayed in earlier segments (before the last preemption)."""
+    segments: int = 0
+    last_token_at: float = 0.0
+    usage: dict[str, Any] | None = field(default=None)
+    usage_raw: bytes = b""
+    """The backend's usage chunk as it came."""
+
+
+class Relay:
+    """Runs requests against backends on behalf of the handlers."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, dispatcher: Dispatcher, config: GatewayConfig
+    ) -> None:
+        self._session = session
+        self._dispatcher = dispatcher
+        self._config = config
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
+        )
+
+    async def serve(self, request: web.Request, job: Job) -> web.StreamResponse:
+        """Queue `job`, run it (retrying elsewhere before the first byte, resuming after
+        preemption) and return the client's response. Sets the trace's outcome, except on
+        errors raised before anything was sent, which the handler renders."""
+        ticket: Ticket = job.ctx
+        trace = ticket.trace
+        state = StreamState()
+        self._dispatcher.submit(job)
+        try:
+            await self._run(request, job, state)
+            trace.outcome = Outcome.COMPLETED
+            assert state.response is not None
+            return state.response
+        except GatewayError as exc:
+            if state.response is None:
+                raise
+            trace.outcome, trace.status = Outcome.UPSTREAM_BROKEN, 200
+            await _write_quietly(state.response, sse_error_event(exc))
+            return state.response
+        except ClientGone:
+            trace.outcome, trace.status = Outcome.CANCELLED_RUNNING, 499
+            return state.response or web.Response(status=499)
+        finally:
+            trace.output_tokens = max(trace.output_tokens, state.tokens)
+            self._dispatcher.finish(job)
+
+    async def _run(self, request: web.Request, job: Job, state: StreamState) -> None:
+        trace = job.ctx.trace
+        while True:
+            backend = await self._dispatcher.wait(job)
+            if trace.dispatched is None:
+                trace.dispatched = time.monotonic()
+            trace.backend = backend.name
+            try:
+                if await self._attempt(request, job, backend, state):
+                    return
+            except _Retryable as exc:
+                self._dispatcher.retry_elsewhere(job, backend_down=exc.down)
+                continue
+            state.tokens_before = state.tokens
+            state.segments += 1
+            self._dispatcher.requeue(job, preempted=True)
+
+    async def _attempt(
+        self, request: web.Request, job: Job, backend: Backend, state: StreamState
+    ) -> bool:
+        """One upstream request. True when the answer is complete, False when preempted."""
+        ticket: Ticket = job.ctx
+        call = ticket.call
+        body = upstream_body(
+            call, priority=ticket.priority, continuation=state.text, done_tokens=state.tokens
+        )
+        path = "/v1/chat/completions" if call.kind == "chat" else "/v1/completions"
+        try:
+            resp = await self._session.post(
+                backend.url + path, json=body, headers=backend.headers(), timeout=self._timeout
+            )
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise _Retryable(f"{backend.name}: {exc!r}", down=True) from None
+        async with resp:
+            if resp.status >= 500:
+                raise _Retryable(f"{backend.name} answered {resp.status}", down=False)
+            if resp.status != 200:
+                raise UpstreamRejected(resp.status, await resp.read())
+            if not call.stream:
+                await self._whole(job, resp, state)
+                return True
+            return await self._stream(request, job, resp, state)
+
+    async def _whole(self, job: Job, resp: aiohttp.ClientResponse, state: StreamState) -> None:
+        """A non-streaming answer: read it whole and pass it on."""
+        trace = job.ctx.trace
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamBroken(f"backend failed while answering: {exc!r}") from None
+        trace.first_token = trace.finished = time.monotonic()
+        try:
+            usage = json.loads(data).get("usage") or {}
+            state.tokens = int(usage.get("completion_tokens", 0))
+        except (ValueError, AttributeError, TypeError):
+            state.tokens = 0
+        trace.output_tokens = state.tokens
+        state.response = web.Response(body=data, status=200, content_type="application/json")
+
+    async def _stream(
+        self, request: web.Request, job: Job, resp: aiohttp.ClientResponse, state: StreamState
+    ) -> bool:
+        ticket: Ticket = job.ctx
+        ticket.abort_upstream = resp.close
+        done = False
+        try:
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue  # blank separators and comments; events are re-framed below
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                await self._event(request, job, payload, state)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            if ticket.preempt_requested:
+                return False
+            raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
+        finally:
+            ticket.abort_upstream = None
+        if not done:
+            if ticket.preempt_requested:
+                return False
+            raise UpstreamBroken("backend closed the stream before [DONE]")
+        await self._finish_stream(request, job, state)
+        return True
+
+    async def _event(
+        self, request: web.Request, job: Job, payload: bytes, state: StreamState
+    ) -> None:
+        """One upstream SSE event: count it, time it, relay it (or hold the usage chunk)."""
+        ticket: Ticket = job.ctx
+        if _USAGE_MARK in payload:
+            state.usage_raw = payload
+            try:
+                state.usage = json.loads(payload).get("usage")
+            except ValueError:
+                state.usage = None
+            return
+        is_token = not any(mark in payload for mark in _EMPTY_CONTENT)
+        if state.segments and not is_token and _ROLE_MARK in payload:
+            return  # a continuation's opening role chunk: the client already had one
+        if is_token:
+            now = time.monotonic()
+            trace = ticket.trace
+            if trace.first_token is None:
+                trace.first_token = now
+            else:
+                trace.gaps_s.append(now - state.last_token_at)
+            state.last_token_at = now
+            state.tokens += 1
+            if self._config.preemption and ticket.call.continuable:
+                state.text += _chunk_text(payload)
+            self._dispatcher.progress(job, 1)
+        response = state.response or await self._open(request, state)
+        await _write(response, b"data: " + payload + b"\n\n")
+
+    async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        try:
+            await response.prepare(request)
+        except ConnectionResetError:
+            raise ClientGone() from None
+        state.response = response
+        return response
+
+    async def _finish_stream(self, request: web.Request, job: Job, state: StreamState) -> None:
+        ticket: Ticket = job.ctx
+        trace = ticket.trace
+        response = state.response or await self._open(request, state)
+        usage = state.usage
+        if usage is not None:
+            last = int(usage.get("completion_tokens", state.tokens - state.tokens_before))
+            state.tokens = state.tokens_before + last
+        if ticket.call.wants_usage and usage is not None:
+            chunk = state.usage_raw if not state.segments else _usage_chunk(usage, state)
+            await _write(response, b"data: " + chunk + b"\n\n")
+        await _write(response, b"data: [DONE]\n\n")
+        trace.finished = time.monotonic()
+        trace.output_tokens = state.tokens
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            raise ClientGone() from None
+
+
+def _chunk_text(payload: bytes) -> str:
+    """The text a token chunk adds (chat delta content or completion text)."""
+    try:
+        choice = json.loads(payload)["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return ""
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _usage_chunk(usage: dict[str, Any], state: StreamState) -> bytes:
+    """The backend's usage chunk, corrected after preemption to count every segment's tokens
+    (prompt tokens: the last continuation's minus the tokens it carried over)."""
+    fixed = dict(usage)
+    prompt = max(int(usage.get("prompt_tokens", 0)) - state.tokens_before, 0)
+    fixed.update(
+        prompt_tokens=prompt, completion_tokens=state.tokens, total_tokens=prompt + state.tokens
+    )
+    chunk = json.loads(state.usage_raw)
+    chunk["usage"] = fixed
+    return json.dumps(chunk, separators=(",", ":")).encode()
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionResetError:
+        raise ClientGone() from None
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
