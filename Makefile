@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit bench-policies clean
+.PHONY: test lint typecheck unit bench-policies clean vllm-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,12 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest
 
-test: lint typecheck unit
+# The real vLLM CPU build (its own venv under .cache/, ~75 s and 3.4 GB once) and the tiny model;
+# the integration tests' fixture does the same on demand.
+vllm-env: $(STAMP)
+	$(BIN)/python -m loadgen.vllm_real setup
+
+test: lint typecheck vllm-env unit
 
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policy_core.py

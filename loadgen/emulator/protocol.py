@@ -253,40 +253,56 @@ def parse(
 
 
 def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:16]
 
 
-def usage(p: Parsed, completion_tokens: int) -> dict[str, Any]:
-    return {
+SYSTEM_FINGERPRINT = "vllm-0.32.0-emulated"
+
+
+def usage(p: Parsed, completion_tokens: int, *, details: bool = True) -> dict[str, Any]:
+    """Usage object; the streamed usage chunk carries no `*_details` keys (as vLLM)."""
+    u: dict[str, Any] = {
         "prompt_tokens": p.prompt_tokens,
         "total_tokens": p.prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
     }
+    if details:
+        u["prompt_tokens_details"] = None
+        u["completion_tokens_details"] = None
+    return u
 
 
 def full_body(
     p: Parsed, rid: str, created: int, text: str, n_tokens: int, finish: str
 ) -> dict[str, Any]:
-    """A non-streaming response."""
+    """A non-streaming response, with vLLM 0.32.0's keys."""
+    head = {"id": rid, "object": "", "created": created, "model": p.model}
+    tail = {
+        "service_tier": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "usage": usage(p, n_tokens),
+    }
     if p.kind == "chat":
+        message = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+        }
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": text,
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-                "tool_calls": [],
-                "reasoning_content": None,
-            },
+            "message": message,
             "logprobs": None,
             "finish_reason": finish,
             "stop_reason": None,
+            "token_ids": None,
+            "routed_experts": None,
         }
-        obj = "chat.completion"
+        head["object"] = "chat.completion"
+        extra = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
     else:
         choice = {
             "index": 0,
@@ -294,42 +310,54 @@ def full_body(
             "logprobs": None,
             "finish_reason": finish,
             "stop_reason": None,
+            "token_ids": None,
             "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
         }
-        obj = "text_completion"
+        head["object"] = "text_completion"
+        extra = {}
     return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": p.model,
+        **head,
         "choices": [choice],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": usage(p, n_tokens),
-        "prompt_logprobs": None,
+        **tail,
+        **extra,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
 def chunk(
     p: Parsed, rid: str, created: int, text: str | None, finish: str | None, *, role: bool = False
 ) -> dict[str, Any]:
-    """One streaming chunk with one choice (`text` None and `role`: the chat opening chunk)."""
+    """One streaming chunk with one choice (`role`: the chat opening chunk), vLLM's keys."""
+    out: dict[str, Any] = {"id": rid, "object": "", "created": created, "model": p.model}
     if p.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
-        choice: dict[str, Any] = {
+        out["object"] = "chat.completion.chunk"
+        if role:
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            out["choices"] = [choice]
+            out["prompt_token_ids"] = out["prompt_text"] = None
+            return out
+        choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = None
+        choice["token_ids"] = None
+    else:
+        out["object"] = "text_completion"
+        choice = {
             "index": 0,
-            "delta": delta,
+            "text": text or "",
             "logprobs": None,
             "finish_reason": finish,
+            "stop_reason": None,
+            "prompt_token_ids": None,
+            "token_ids": None,
         }
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
-    if finish is not None:
-        choice["stop_reason"] = None
-    return {"id": rid, "object": obj, "created": created, "model": p.model, "choices": [choice]}
+    out["choices"] = [choice]
+    return out
 
 
 def usage_chunk(p: Parsed, rid: str, created: int, n_tokens: int) -> dict[str, Any]:
@@ -341,7 +369,8 @@ def usage_chunk(p: Parsed, rid: str, created: int, n_tokens: int) -> dict[str, A
         "created": created,
         "model": p.model,
         "choices": [],
-        "usage": usage(p, n_tokens),
+        "usage": usage(p, n_tokens, details=False),
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
 
 

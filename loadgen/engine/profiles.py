@@ -156,13 +156,15 @@ class H200Llama3(LatencyProfile):
 @dataclass(frozen=True, slots=True)
 class CpuTinyCoefficients:
     """Fitted by `loadgen.engine.fit_cpu` on the vLLM CPU build serving the tiny model
-    (milliseconds per iteration; B decodes, ΣL their context, P prefill tokens)."""
+    (milliseconds per iteration; B decodes, ΣL their context, P prefill tokens). Measured
+    2026-11-30 on a shared, busy 2-core machine: medians of 3 passes, max relative error of
+    the fit 40% (`loadgen/engine/cpu_tiny_vllm_measurements.json`)."""
 
-    a_ms: float = 8.0
-    per_seq_ms: float = 0.3
-    per_ctx_ms: float = 0.0
-    per_prefill_tok_ms: float = 0.02
-    prefill_iter_ms: float = 2.0
+    a_ms: float = 7.18712
+    per_seq_ms: float = 0.680783
+    per_ctx_ms: float = 0.000392768
+    per_prefill_tok_ms: float = 0.0454566
+    prefill_iter_ms: float = 23.9151
     """Extra fixed cost of an iteration that runs any prompt tokens."""
 
 

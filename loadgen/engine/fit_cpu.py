@@ -1,0 +1,156 @@
+"""Measure the vLLM CPU build serving the tiny model and fit the `cpu-tiny-vllm` profile.
+
+Run: `python -m loadgen.engine.fit_cpu [--url URL] [--out FILE]`. Without `--url` it starts
+a real server (`loadgen.vllm_real`, installing it if needed). It prints the coefficients that
+`loadgen.engine.profiles.CPU_TINY_VLLM` holds and writes the measurements (JSON rows) to
+`--out` (default `loadgen/engine/cpu_tiny_vllm_measurements.json`).
+
+What is measured, from a client's point of view (so HTTP, tokenisation and scheduler overhead
+are part of the numbers, as they are for the emulator's users), with prompts given as random
+token ids (exact lengths; no prefix-cache hits):
+- decode: B concurrent streams with P-token prompts and 64 output tokens (`ignore_eos`);
+  (median TTLT − the prefill time of B·P tokens) / 63 is one iteration with B decodes at
+  context ΣL ≈ B·(P + 32);
+- prefill: one request with a P-token prompt and `max_tokens=1`: its TTFT is one iteration
+  with P prefill tokens and no decodes (median of 5).
+
+Model (ms): a + b·B + c·ΣL + [P > 0]·(e + d·P), least squares weighted by 1/measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_OUT = Path(__file__).with_name("cpu_tiny_vllm_measurements.json")
+DECODE_CASES = ((16, (1, 2, 4, 8, 16, 32, 64, 96)), (768, (1, 4, 16, 32)))
+"""(prompt tokens, batch sizes) of the decode measurements."""
+DECODE_TOKENS = 64
+PREFILL_PROMPTS = (8, 128, 256, 512, 1024, 1536, 2000)
+PREFILL_REPS = 5
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 30000) for _ in range(n)]
+
+
+async def _stream_times(client: Any, model: str, prompt: list[int], tokens: int) -> list[float]:
+    """Arrival times (perf_counter) of each content chunk of one streamed completion."""
+    stamps: list[float] = []
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=tokens, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    async for ch in stream:
+        if ch.choices and ch.choices[0].text is not None:
+            stamps.append(time.perf_counter())
+    return stamps
+
+
+def _prefill_ms(rows: list[dict[str, Any]], tokens: int) -> float:
+    """Time to prefill `tokens` prompt tokens, interpolated from this pass's prefill rows, in
+    chunks of the server's 2,048-token budget."""
+    pre = sorted((r["P"], r["ms"]) for r in rows if r["kind"] == "prefill")
+    xs, ys = [p for p, _ in pre], [ms for _, ms in pre]
+    full, rest = divmod(tokens, 2048)
+    return full * float(np.interp(2048, xs, ys)) + (float(np.interp(rest, xs, ys)) if rest else 0)
+
+
+async def _decode_row(
+    c: Any, model: str, rng: random.Random, p: int, b: int, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One decode row: B streams sent at once; (TTLT − prefill of the B prompts) / (T − 1),
+    median over streams.
+
+    Only the last chunk's time is used: on a busy CPU the API server delivers chunks in
+    bursts (the first chunk can arrive with the twentieth), so gaps mislead."""
+    t0 = time.perf_counter()
+    runs = await asyncio.gather(
+        *(_stream_times(c, model, _prompt(rng, p), DECODE_TOKENS) for _ in range(b))
+    )
+    ttlt_ms = statistics.median(r[-1] - t0 for r in runs) * 1000
+    ms = (ttlt_ms - _prefill_ms(rows, b * p)) / (DECODE_TOKENS - 1)
+    return {"kind": "decode", "B": b, "ctx": b * (p + DECODE_TOKENS / 2), "P": 0,
+            "ms": max(ms, 0.1)}  # fmt: skip
+
+
+async def measure(url: str, model: str, seed: int = 0) -> list[dict[str, Any]]:
+    """All measurement rows (see the module docstring)."""
+    import openai
+
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=3) as c:
+        await _stream_times(c, model, _prompt(rng, 32), 8)  # warm-up
+        for p in PREFILL_PROMPTS:
+            ttft = []
+            for _ in range(PREFILL_REPS):
+                t0 = time.perf_counter()
+                stamps = await _stream_times(c, model, _prompt(rng, p), 1)
+                ttft.append((stamps[0] - t0) * 1000)
+            rows.append({"kind": "prefill", "B": 0, "ctx": 0, "P": p,
+                         "ms": statistics.median(ttft)})  # fmt: skip
+        for p, batches in DECODE_CASES:
+            for b in batches:
+                rows.append(await _decode_row(c, model, rng, p, b, rows))
+    return rows
+
+
+def _repeat(url: str, model: str, runs: int) -> list[dict[str, Any]]:
+    """`runs` measurement passes; each row's time is the median over the passes (a shared,
+    busy CPU makes single passes noisy)."""
+    passes = [asyncio.run(measure(url, model, seed=i)) for i in range(runs)]
+    out = []
+    for rows in zip(*passes, strict=True):
+        out.append({**rows[0], "ms": statistics.median(r["ms"] for r in rows),
+                    "ms_runs": [round(r["ms"], 2) for r in rows]})  # fmt: skip
+    return out
+
+
+def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Coefficients (ms) of the one linear model, and its max relative error."""
+    x = np.array([[1.0, r["B"], r["ctx"], float(r["P"] > 0), r["P"]] for r in rows], dtype=float)
+    y = np.array([r["ms"] for r in rows])
+    w = 1.0 / y
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    coef = np.maximum(coef, 0.0)  # negative terms are noise; time never falls with more work
+    err = float(np.max(np.abs(x @ coef - y) / y))
+    names = ("a_ms", "per_seq_ms", "per_ctx_ms", "prefill_iter_ms", "per_prefill_tok_ms")
+    out = {n: float(f"{v:.6g}") for n, v in zip(names, coef, strict=True)}
+    out["max_rel_err"] = round(err, 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadgen.engine.fit_cpu", description=__doc__)
+    ap.add_argument("--url", help="a running vLLM CPU server (default: start one)")
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--runs", type=int, default=3, help="measure this often; median per row")
+    ap.add_argument("--rows", type=Path, help="fit these saved rows instead of measuring")
+    args = ap.parse_args(argv)
+    if args.rows:
+        rows = json.loads(args.rows.read_text())
+    elif args.url:
+        rows = _repeat(args.url, args.model, args.runs)
+    else:
+        from loadgen.vllm_real import RealVllm
+
+        with RealVllm() as server:
+            rows = _repeat(server.url, args.model, args.runs)
+    if not args.rows:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(json.dumps(fit(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
