@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("loadgen.sim.cli", "simulate policies on trace windows in virtual time"),
     "traces": ("loadgen.traces.cli", "list trace sources, frozen windows and their knees"),
     "predictor": ("predictor.cli", "build, evaluate and warm the output-length predictor"),
+    "study": ("loadgen.study.cli", "portability study and SageSched evaluation in simulation"),
     "emulate": ("loadgen.emulator.cli", "run an emulated vLLM backend driven by the engine model"),
 }
 

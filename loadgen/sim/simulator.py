@@ -95,7 +95,10 @@ def belief(predicted: float, sigma: float) -> LengthDist:
 
 
 def _jobs(
-    requests: Sequence[TraceRequest], policy: Policy, sigma: float
+    requests: Sequence[TraceRequest],
+    policy: Policy,
+    sigma: float,
+    beliefs: Sequence[LengthDist] | None = None,
 ) -> tuple[list[Job], list[RequestRecord]]:
     jobs, records = [], []
     for i, r in enumerate(requests):
@@ -104,7 +107,7 @@ def _jobs(
         job = Job(i, r.arrival_s, r.prompt_tokens, deadline_s=r.deadline_s)
         job.tenant = r.tenant or job.tenant
         if policy.needs_prediction:
-            job.dist = belief(pred, sigma)
+            job.dist = belief(pred, sigma) if beliefs is None else beliefs[i]
         if policy.needs_oracle:
             job.true_output_tokens = out
         job.ctx = Seq(job, out, pred)
@@ -125,12 +128,13 @@ class _Run:
         profile: LatencyProfile,
         sigma: float,
         stop_after: int | None,
+        beliefs: Sequence[LengthDist] | None = None,
     ) -> None:
         self.c = contender
         self.profile = profile
         self.sched = Scheduler(contender.policy)
         self.engine = Engine(contender.engine, profile)
-        self.jobs, self.records = _jobs(requests, self.sched.policy, sigma)
+        self.jobs, self.records = _jobs(requests, self.sched.policy, sigma, beliefs)
         self.jobs.sort(key=lambda j: (j.arrival_s, j.id))
         self.stop_after = stop_after
         self.violations = 0
@@ -248,18 +252,22 @@ def simulate(
     *,
     belief_sigma: float = 0.2,
     stop_after_violations: int | None = None,
+    beliefs: Sequence[LengthDist] | None = None,
 ) -> SimResult:
     """Run `requests` (times on the run's clock, already compressed) through one contender.
 
     Prediction-driven policies get a log-normal belief of σ = `belief_sigma` around each
     request's frozen `predicted_output_tokens` (the true length when there is none); oracle
     policies get the true length. With `stop_after_violations`, the run stops as soon as that
-    many requests have missed their deadline (used by the knee search).
+    many requests have missed their deadline (used by the knee search). `beliefs`, one per
+    request in order, replaces the log-normal belief with a predictor's own distributions.
     """
+    if beliefs is not None and len(beliefs) != len(requests):
+        raise ValueError("beliefs must hold one distribution per request")
     c = resolve(contender) if isinstance(contender, str) else contender
     prof = make_profile(profile) if isinstance(profile, str) else profile
     wall = time.perf_counter()
-    run = _Run(requests, c, prof, belief_sigma, stop_after_violations)
+    run = _Run(requests, c, prof, belief_sigma, stop_after_violations, beliefs)
     end, stopped = run.run()
     return SimResult(
         c.name,

@@ -10,8 +10,8 @@ with a seeded generator, so every number is reproducible. All values are oriente
 
 from __future__ import annotations
 
-import itertools
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,6 +106,41 @@ def _interval(samples: Sequence[float] | np.ndarray, value: float) -> Estimate:
     return Estimate(value, float(lo), float(hi))
 
 
+def kendall_tau_b_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Kendall τ-b of each row pair of two (replicates x policies) arrays, vectorised.
+
+    τ-b = Σ sign(xᵢ−xⱼ)·sign(yᵢ−yⱼ) / √(Σ sign(xᵢ−xⱼ)² · Σ sign(yᵢ−yⱼ)²) over pairs i < j with
+    both values defined in both rows: (C − D) / √((n₀ − n₁)(n₀ − n₂)), the same statistic as
+    `scipy.stats.kendalltau(variant="b")` (checked by a test); NaN where undefined.
+    """
+    i, j = np.triu_indices(x.shape[1], k=1)
+    valid = ~(np.isnan(x[:, i]) | np.isnan(x[:, j]) | np.isnan(y[:, i]) | np.isnan(y[:, j]))
+    sx = np.where(valid, np.sign(np.nan_to_num(x[:, i] - x[:, j])), 0.0)
+    sy = np.where(valid, np.sign(np.nan_to_num(y[:, i] - y[:, j])), 0.0)
+    den = np.sqrt(np.sum(sx * sx, axis=1) * np.sum(sy * sy, axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, np.sum(sx * sy, axis=1) / np.where(den > 0, den, 1.0), np.nan)
+
+
+def spearman_rho_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Spearman ρ of each row pair (average ranks; rows with NaN use `spearman_rho`)."""
+    out = np.full(x.shape[0], np.nan)
+    clean = ~(np.isnan(x).any(axis=1) | np.isnan(y).any(axis=1))
+    if clean.any():
+        rx = sps.rankdata(x[clean], axis=1)
+        ry = sps.rankdata(y[clean], axis=1)
+        rx -= rx.mean(axis=1, keepdims=True)
+        ry -= ry.mean(axis=1, keepdims=True)
+        den = np.sqrt(np.sum(rx * rx, axis=1) * np.sum(ry * ry, axis=1))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[clean] = np.where(
+                den > 0, np.sum(rx * ry, axis=1) / np.where(den > 0, den, 1), np.nan
+            )
+    for k in np.nonzero(~clean)[0]:
+        out[k] = spearman_rho(x[k], y[k])
+    return out
+
+
 def tau_between(
     a: Matrix, b: Matrix, *, n_boot: int = N_BOOT, seed: int = SEED, spearman: bool = False
 ) -> Estimate:
@@ -113,11 +148,12 @@ def tau_between(
     resampling each source's windows independently. Resamples where τ is undefined (a
     constant ranking) are left out of the interval."""
     corr = spearman_rho if spearman else kendall_tau_b
+    rows = spearman_rho_rows if spearman else kendall_tau_b_rows
     value = corr(policy_means(a), policy_means(b))
     rng = np.random.default_rng(seed)
     ma = boot_means(a, boot_indices(a.shape[0], n_boot, rng))
     mb = boot_means(b, boot_indices(b.shape[0], n_boot, rng))
-    return _interval([corr(x, y) for x, y in zip(ma, mb, strict=True)], value)
+    return _interval(rows(ma, mb), value)
 
 
 def bootstrap_p(samples: np.ndarray) -> float:
@@ -191,22 +227,32 @@ def pair_tests(
     """Every policy pair in two sources (oriented matrices), with paired bootstrap CIs of the
     difference (the same resampled windows for both policies of a pair)."""
     rng = np.random.default_rng(seed)
-    means = (policy_means(a), policy_means(b))
-    boots = (
-        boot_means(a, boot_indices(a.shape[0], n_boot, rng)),
-        boot_means(b, boot_indices(b.shape[0], n_boot, rng)),
-    )
+    i, j = np.triu_indices(len(policies), k=1)
+    per_source = []
+    for m in (a, b):
+        means = policy_means(m)
+        d = boot_means(m, boot_indices(m.shape[0], n_boot, rng))
+        d = d[:, i] - d[:, j]  # boot x pairs
+        defined = ~np.isnan(d)
+        if defined.all():
+            lo, hi = np.percentile(d, [2.5, 97.5], axis=0)
+        else:
+            with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column: NaN CI
+                lo, hi = np.nanpercentile(d, [2.5, 97.5], axis=0)
+        tail = np.minimum(np.sum((d <= 0) & defined, axis=0), np.sum((d >= 0) & defined, axis=0))
+        p = np.minimum(1.0, 2 * (tail + 1) / (np.sum(defined, axis=0) + 1))
+        per_source.append((means, lo, hi, p))
     out = []
-    for i, j in itertools.combinations(range(len(policies)), 2):
-        if any(math.isnan(m[k]) for m in means for k in (i, j)):
+    for k, (x, y) in enumerate(zip(i.tolist(), j.tolist(), strict=True)):
+        if any(math.isnan(ms[0][q]) for ms in per_source for q in (x, y)):
             continue
-        ests, ps = [], []
-        for m, bm in zip(means, boots, strict=True):
-            d = bm[:, i] - bm[:, j]
-            ests.append(_interval(d, float(m[i] - m[j])))
-            ps.append(bootstrap_p(d))
-        ok = all(_margin_ok(m, i, j, margin) for m in means)
-        out.append(PairTest(policies[i], policies[j], ests[0], ests[1], ps[0], ps[1], ok))
+        ests = [
+            Estimate(float(m[x] - m[y]), float(lo[k]), float(hi[k])) for m, lo, hi, _ in per_source
+        ]
+        ok = all(_margin_ok(ms[0], x, y, margin) for ms in per_source)
+        ps = [float(ms[3][k]) for ms in per_source]
+        out.append(PairTest(policies[x], policies[y], ests[0], ests[1], ps[0], ps[1], ok))
     return out
 
 
@@ -248,3 +294,27 @@ def pooled_means(matrices: Sequence[Matrix]) -> np.ndarray:
     """Leave-one-source-out reference: the mean over sources of each source's policy means."""
     stacked = np.vstack([policy_means(m) for m in matrices])
     return policy_means(stacked)
+
+
+def pooled_gain(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, n_boot: int = N_BOOT, seed: int = SEED
+) -> Estimate:
+    """Gain of a contender over a baseline, 1 − (ours / baseline), pooled over conditions.
+
+    Each condition gives paired per-replicate values (ours, baseline) of a lower-is-better
+    metric; its ratio is mean(ours) / mean(baseline), and conditions pool by the geometric
+    mean of the ratios. The CI resamples replicates (pairs kept together) within every
+    condition independently. One condition gives the plain 1 − mean(ours) / mean(baseline).
+    """
+
+    def gain(ratios: np.ndarray) -> np.ndarray:
+        out: np.ndarray = 1.0 - np.exp(np.mean(np.log(ratios), axis=-1))
+        return out
+
+    rng = np.random.default_rng(seed)
+    point = gain(np.array([np.mean(a) / np.mean(b) for a, b in pairs]))
+    boots = np.empty((n_boot, len(pairs)))
+    for k, (a, b) in enumerate(pairs):
+        idx = boot_indices(len(a), n_boot, rng)
+        boots[:, k] = np.asarray(a)[idx].mean(axis=1) / np.asarray(b)[idx].mean(axis=1)
+    return _interval(gain(boots), float(point))

@@ -114,3 +114,30 @@ def test_top1_and_pooled_means() -> None:
     assert stats.top1(np.array([np.nan]), ["a"]) == set()
     pooled = stats.pooled_means([np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[10.0, np.nan]])])
     assert pooled.tolist() == [6.0, 3.0]
+
+
+def test_pooled_gain_hand_computed() -> None:
+    # one condition: 1 - mean(ours) / mean(base) = 1 - 2 / 4
+    one = stats.pooled_gain([(np.array([1.0, 3.0]), np.array([4.0, 4.0]))], n_boot=100)
+    assert one.value == pytest.approx(0.5)
+    # two conditions with ratios 0.5 and 2: geometric mean 1, gain 0
+    two = stats.pooled_gain(
+        [(np.array([1.0]), np.array([2.0])), (np.array([2.0]), np.array([1.0]))], n_boot=10
+    )
+    assert two.value == pytest.approx(0.0) and two.lo == pytest.approx(0.0)
+    # identical replicates: the interval collapses onto the point
+    same = stats.pooled_gain([(np.full(5, 3.0), np.full(5, 4.0))], n_boot=50)
+    assert same.lo == pytest.approx(0.25) and same.hi == pytest.approx(0.25)
+
+
+def test_vectorised_correlations_match_scipy() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 4, size=(200, 7)).astype(float)
+    y = rng.integers(0, 4, size=(200, 7)).astype(float)
+    x[5, 3] = np.nan
+    for rows, one in (
+        (stats.kendall_tau_b_rows, stats.kendall_tau_b),
+        (stats.spearman_rho_rows, stats.spearman_rho),
+    ):
+        ref = np.array([one(a, b) for a, b in zip(x, y, strict=True)])
+        assert np.allclose(rows(x, y), ref, equal_nan=True)
