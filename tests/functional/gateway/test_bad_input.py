@@ -24,8 +24,12 @@ AUTH = {"Authorization": "Bearer k1"}
 GOOD = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-async def post(gw: RunningGateway, body: Any, headers: dict[str, str] | None = None,
-               path: str = "/v1/chat/completions") -> tuple[int, dict[str, Any]]:  # fmt: skip
+async def post(
+    gw: RunningGateway,
+    body: Any,
+    headers: dict[str, str] | None = None,
+    path: str = "/v1/chat/completions",
+) -> tuple[int, dict[str, Any]]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     hdrs = {"Content-Type": "application/json", **(AUTH if headers is None else headers)}
     async with aiohttp.ClientSession() as s, s.post(gw.url + path, data=data, headers=hdrs) as r:

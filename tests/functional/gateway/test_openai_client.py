@@ -64,9 +64,12 @@ async def test_completions_streaming_and_not(client: openai.AsyncOpenAI) -> None
     assert whole.choices[0].text and whole.usage is not None
     assert whole.usage.completion_tokens == 7
     stream = await client.completions.create(
-        model="tiny-llama", prompt="Once upon a time", max_tokens=7, stream=True,
+        model="tiny-llama",
+        prompt="Once upon a time",
+        max_tokens=7,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     pieces = [c.choices[0].text async for c in stream if c.choices]
     assert len([p for p in pieces if p]) == 7
 
