@@ -42,6 +42,8 @@ class EmuRequest:
     """When the engine first admitted it (end of queue time)."""
     first_token_w: float | None = None
     last_token_w: float | None = None
+    pending: asyncio.TimerHandle | None = None
+    """Set while the request is still on its way to the engine (request overhead)."""
 
     @property
     def output_tokens(self) -> int:
@@ -62,6 +64,9 @@ class LoopStats:
     preemptions: int = 0
     iterations: int = 0
 
+
+MAX_LAG_S = 0.05
+"""How far behind its schedule the engine loop may run before it resets to the wall clock."""
 
 TokenHook = Callable[[EmuRequest, int, float], None]
 """Called with (request, new tokens, wall time) when an iteration's tokens become visible."""
@@ -117,24 +122,39 @@ class EngineLoop:
         return (asyncio.get_running_loop().time() - self._t0) / self.time_scale
 
     def submit(self, prompt_tokens: int, output_tokens: int, priority: int = 0) -> EmuRequest:
-        """Queue a request that will produce exactly `output_tokens` tokens (≥ 1)."""
-        now_w = asyncio.get_running_loop().time()
+        """Queue a request that will produce exactly `output_tokens` tokens (≥ 1). It reaches
+        the engine after the profile's `request_overhead_s` (× time scale)."""
+        loop = asyncio.get_running_loop()
         job = Job(next(self._ids), self.virtual_now(), max(1, prompt_tokens), priority=priority)
         job.max_tokens = output_tokens
         out = max(1, output_tokens)
-        req = EmuRequest(Seq(job, out, float(out)), now_w)
+        req = EmuRequest(Seq(job, out, float(out)), loop.time())
         job.ctx = req
-        self.engine.add(req.seq)
         self._active[job.id] = req
+        n_running = len(self.engine.running)
+        delay = self.engine.profile.request_overhead_s(n_running) * self.time_scale
+        if delay > 0:
+            req.pending = loop.call_later(delay, self._enter, req)
+        else:
+            self._enter(req)
+        return req
+
+    def _enter(self, req: EmuRequest) -> None:
+        req.pending = None
+        if req.done:
+            return
+        req.seq.job.arrival_s = self.virtual_now()
+        self.engine.add(req.seq)
         self._publish()
         self._wake.set()
-        return req
 
     def abort(self, req: EmuRequest) -> None:
         """Client gone: take the request out of the engine now (idempotent)."""
         if req.done:
             return
         req.aborted = True
+        if req.pending is not None:
+            req.pending.cancel()
         eng = self.engine
         if req.seq in eng.running or req.seq in eng.waiting:
             eng.abort(req.seq)
@@ -150,18 +170,23 @@ class EngineLoop:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        end_w: float | None = None  # scheduled end of the previous iteration while busy
         while True:
             if not len(self.engine):
+                end_w = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            start_w = loop.time()
-            result = self.engine.step(self.virtual_now(), 0.0)
-            self._mark_scheduled(start_w)
+            now_w = loop.time()
+            # back to back: the next iteration starts when the last one was due to end, so a
+            # late wake-up (busy CPU) does not stretch the schedule; beyond MAX_LAG_S behind,
+            # the engine gives up catching up
+            start_w = now_w if end_w is None or now_w - end_w > MAX_LAG_S else end_w
+            result = self.engine.step((start_w - self._t0) / self.time_scale, 0.0)
+            self._mark_scheduled(now_w)
             end_w = start_w + result.dt_s * self.time_scale
-            delay = end_w - loop.time()
             # sleep(0) still yields, so arrivals and aborts interleave with fast iterations
-            await asyncio.sleep(max(0.0, delay))
+            await asyncio.sleep(max(0.0, end_w - loop.time()))
             self._deliver(loop.time(), result.finished + result.dropped)
 
     def _mark_scheduled(self, now_w: float) -> None:

@@ -12,9 +12,14 @@ token ids (exact lengths; no prefix-cache hits):
   (median TTLT − the prefill time of B·P tokens) / 63 is one iteration with B decodes at
   context ΣL ≈ B·(P + 32);
 - prefill: one request with a P-token prompt and `max_tokens=1`: its TTFT is one iteration
-  with P prefill tokens and no decodes (median of 5).
+  with P prefill tokens and no decodes (median of 5);
+- loaded: the TTFT of a 128-token probe while B streams decode; what the linear model leaves
+  unexplained, per streaming request, is the API server's extra overhead f.
 
-Model (ms): a + b·B + c·ΣL + [P > 0]·(e + d·P), least squares weighted by 1/measured.
+Model (ms): a + b·B + c·ΣL + [P > 0]·(e + d·P), least squares weighted by 1/measured. The
+profile reads a + b·B + c·ΣL + d·P as the iteration time and e as a per-request overhead (the
+API server's work before the engine sees a request: it delays a request's first token but
+runs beside other requests' iterations, so it is not charged to them).
 """
 
 from __future__ import annotations
@@ -36,13 +41,17 @@ DECODE_CASES = ((16, (1, 2, 4, 8, 16, 32, 64, 96)), (768, (1, 4, 16, 32)))
 DECODE_TOKENS = 64
 PREFILL_PROMPTS = (8, 128, 256, 512, 1024, 1536, 2000)
 PREFILL_REPS = 5
+LOADED_BATCHES = (8, 32)
+"""Streams decoding while the loaded-TTFT probes run."""
+LOADED_TOKENS = 400
+LOADED_PROMPT = 128
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
+def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 30000) for _ in range(n)]
 
 
-async def _stream_times(client: Any, model: str, prompt: list[int], tokens: int) -> list[float]:
+async def stream_times(client: Any, model: str, prompt: list[int], tokens: int) -> list[float]:
     """Arrival times (perf_counter) of each content chunk of one streamed completion."""
     stamps: list[float] = []
     stream = await client.completions.create(
@@ -55,6 +64,15 @@ async def _stream_times(client: Any, model: str, prompt: list[int], tokens: int)
     return stamps
 
 
+def prefill_model_ms(tokens: int) -> float:
+    """What the committed profile predicts for a lone request's TTFT with `tokens` prompt
+    tokens (request overhead + one iteration), in ms."""
+    from loadgen.engine.profiles import make_profile
+
+    prof = make_profile("cpu-tiny-vllm")
+    return (prof.request_overhead_s(0) + prof.iteration_s(0, 0, tokens)) * 1000
+
+
 def _prefill_ms(rows: list[dict[str, Any]], tokens: int) -> float:
     """Time to prefill `tokens` prompt tokens, interpolated from this pass's prefill rows, in
     chunks of the server's 2,048-token budget."""
@@ -64,7 +82,7 @@ def _prefill_ms(rows: list[dict[str, Any]], tokens: int) -> float:
     return full * float(np.interp(2048, xs, ys)) + (float(np.interp(rest, xs, ys)) if rest else 0)
 
 
-async def _decode_row(
+async def decode_row(
     c: Any, model: str, rng: random.Random, p: int, b: int, rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """One decode row: B streams sent at once; (TTLT − prefill of the B prompts) / (T − 1),
@@ -74,7 +92,7 @@ async def _decode_row(
     bursts (the first chunk can arrive with the twentieth), so gaps mislead."""
     t0 = time.perf_counter()
     runs = await asyncio.gather(
-        *(_stream_times(c, model, _prompt(rng, p), DECODE_TOKENS) for _ in range(b))
+        *(stream_times(c, model, random_prompt(rng, p), DECODE_TOKENS) for _ in range(b))
     )
     ttlt_ms = statistics.median(r[-1] - t0 for r in runs) * 1000
     ms = (ttlt_ms - _prefill_ms(rows, b * p)) / (DECODE_TOKENS - 1)
@@ -89,19 +107,38 @@ async def measure(url: str, model: str, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=3) as c:
-        await _stream_times(c, model, _prompt(rng, 32), 8)  # warm-up
+        await stream_times(c, model, random_prompt(rng, 32), 8)  # warm-up
         for p in PREFILL_PROMPTS:
             ttft = []
             for _ in range(PREFILL_REPS):
                 t0 = time.perf_counter()
-                stamps = await _stream_times(c, model, _prompt(rng, p), 1)
+                stamps = await stream_times(c, model, random_prompt(rng, p), 1)
                 ttft.append((stamps[0] - t0) * 1000)
             rows.append({"kind": "prefill", "B": 0, "ctx": 0, "P": p,
                          "ms": statistics.median(ttft)})  # fmt: skip
         for p, batches in DECODE_CASES:
             for b in batches:
-                rows.append(await _decode_row(c, model, rng, p, b, rows))
+                rows.append(await decode_row(c, model, rng, p, b, rows))
+        for b in LOADED_BATCHES:
+            rows.append(await loaded_row(c, model, rng, b))
     return rows
+
+
+async def loaded_row(c: Any, model: str, rng: random.Random, b: int) -> dict[str, Any]:
+    """TTFT of a 128-token probe (median of 3) while B streams of 16-token prompts decode."""
+    background = [
+        asyncio.create_task(stream_times(c, model, random_prompt(rng, 16), LOADED_TOKENS))
+        for _ in range(b)
+    ]
+    await asyncio.sleep(1.0)  # all admitted and decoding
+    ttft = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        stamps = await stream_times(c, model, random_prompt(rng, LOADED_PROMPT), 1)
+        ttft.append((stamps[0] - t0) * 1000)
+    await asyncio.gather(*background)
+    return {"kind": "loaded", "B": b, "ctx": b * (16 + LOADED_TOKENS / 4), "P": LOADED_PROMPT,
+            "ms": statistics.median(ttft)}  # fmt: skip
 
 
 def _repeat(url: str, model: str, runs: int) -> list[dict[str, Any]]:
@@ -116,15 +153,26 @@ def _repeat(url: str, model: str, runs: int) -> list[dict[str, Any]]:
 
 
 def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Coefficients (ms) of the one linear model, and its max relative error."""
-    x = np.array([[1.0, r["B"], r["ctx"], float(r["P"] > 0), r["P"]] for r in rows], dtype=float)
-    y = np.array([r["ms"] for r in rows])
+    """Coefficients (ms) of the linear model, the overhead per streaming request, and the
+    linear model's max relative error."""
+    lin = [r for r in rows if r["kind"] in ("prefill", "decode")]
+    x = np.array([[1.0, r["B"], r["ctx"], float(r["P"] > 0), r["P"]] for r in lin], dtype=float)
+    y = np.array([r["ms"] for r in lin])
     w = 1.0 / y
     coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
     coef = np.maximum(coef, 0.0)  # negative terms are noise; time never falls with more work
     err = float(np.max(np.abs(x @ coef - y) / y))
-    names = ("a_ms", "per_seq_ms", "per_ctx_ms", "prefill_iter_ms", "per_prefill_tok_ms")
-    out = {n: float(f"{v:.6g}") for n, v in zip(names, coef, strict=True)}
+    a, b, c, e, d = (float(v) for v in coef)
+    # loaded probes: TTFT = e + f·B + half an iteration of waiting + one mixed iteration
+    extra = []
+    for r in rows:
+        if r["kind"] == "loaded":
+            it = a + b * r["B"] + c * r["ctx"]
+            extra.append((r["ms"] - e - 0.5 * it - (it + d * r["P"])) / r["B"])
+    f = max(0.0, float(np.median(extra))) if extra else 0.0
+    names = ("a_ms", "per_seq_ms", "per_ctx_ms", "request_overhead_ms", "per_prefill_tok_ms")
+    out = {n: float(f"{v:.6g}") for n, v in zip(names, (a, b, c, e, d), strict=True)}
+    out["overhead_per_running_ms"] = float(f"{f:.6g}")
     out["max_rel_err"] = round(err, 3)
     return out
 

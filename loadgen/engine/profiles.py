@@ -29,6 +29,13 @@ class LatencyProfile:
     description: ClassVar[str] = ""
     grid_s: ClassVar[float | None] = None
 
+    def request_overhead_s(self, n_running: int) -> float:
+        """Wall time between a request reaching the server and reaching the engine while
+        `n_running` requests stream (the API server's own work, done beside the engine's
+        iterations). The emulator delays each request by it; the simulator, which models the
+        engine alone, ignores it. Default: none."""
+        return 0.0
+
     def iteration_s(self, n_decode: int, decode_context: int, prefill_tokens: int) -> float:
         """Seconds for one iteration of the given shape (never called with an empty one)."""
         raise NotImplementedError
@@ -158,14 +165,17 @@ class CpuTinyCoefficients:
     """Fitted by `loadgen.engine.fit_cpu` on the vLLM CPU build serving the tiny model
     (milliseconds per iteration; B decodes, ΣL their context, P prefill tokens). Measured
     2026-11-30 on a shared, busy 2-core machine: medians of 3 passes, max relative error of
-    the fit 40% (`loadgen/engine/cpu_tiny_vllm_measurements.json`)."""
+    the fit 35% (`loadgen/engine/cpu_tiny_vllm_measurements.json`)."""
 
-    a_ms: float = 7.18712
-    per_seq_ms: float = 0.680783
-    per_ctx_ms: float = 0.000392768
-    per_prefill_tok_ms: float = 0.0454566
-    prefill_iter_ms: float = 23.9151
-    """Extra fixed cost of an iteration that runs any prompt tokens."""
+    a_ms: float = 6.29495
+    per_seq_ms: float = 0.672074
+    per_ctx_ms: float = 0.0
+    per_prefill_tok_ms: float = 0.129315
+    request_overhead_ms: float = 7.69688
+    """Per-request API-server latency before the engine sees the request (fitted as the
+    fixed part of a lone request's TTFT beyond one iteration)."""
+    overhead_per_running_ms: float = 4.82694
+    """Extra request overhead per request already streaming (the API server is busier)."""
 
 
 CPU_TINY_VLLM = CpuTinyCoefficients()
@@ -175,19 +185,22 @@ CPU_TINY_VLLM = CpuTinyCoefficients()
 class CpuTinyVllm(LatencyProfile):
     """vLLM CPU build (0.32.0, 2 cores) serving the tiny 4-layer Llama of REFERENCE.md §7.
 
-    One linear model for every iteration, wall time including vLLM's scheduler and API
-    overhead as seen by a client: a + b·B + c·ΣL + d·P + e·[P > 0]."""
+    One linear model for every iteration, a + b·B + c·ΣL + d·P (ms), plus a per-request
+    overhead e + f·(requests streaming) before the engine sees a request, all as a client
+    sees them."""
 
     name = "cpu-tiny-vllm"
     description = "vLLM CPU build, tiny Llama on 2 cores: fit of loadgen.engine.fit_cpu"
     k: ClassVar[CpuTinyCoefficients] = CPU_TINY_VLLM
 
+    def request_overhead_s(self, n_running: int) -> float:
+        k = self.k
+        return (k.request_overhead_ms + k.overhead_per_running_ms * n_running) / 1000.0
+
     def iteration_s(self, n_decode: int, decode_context: int, prefill_tokens: int) -> float:
         k = self.k
         ms = k.a_ms + k.per_seq_ms * n_decode + k.per_ctx_ms * decode_context
-        if prefill_tokens:
-            ms += k.prefill_iter_ms + k.per_prefill_tok_ms * prefill_tokens
-        return ms / 1000.0
+        return (ms + k.per_prefill_tok_ms * prefill_tokens) / 1000.0
 
     def decode_run_s(self, n_decode: int, decode_context: int, steps: int) -> float:
         first = self.iteration_s(n_decode, decode_context, 0)

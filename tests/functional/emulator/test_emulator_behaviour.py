@@ -110,8 +110,11 @@ async def _ttlt(url: str, tokens: int) -> float:
 async def test_time_scale(start_emulator: object) -> None:
     prof = make_profile("cpu-tiny-vllm")
     tokens = 60
-    # the first token comes from the prefill iteration, then one decode iteration per token
-    expected = prof.iteration_s(0, 0, 4) + prof.decode_run_s(1, 5, tokens - 1)
+    # request overhead, the first token from the prefill iteration, then one decode
+    # iteration per token
+    expected = (
+        prof.request_overhead_s(0) + prof.iteration_s(0, 0, 4) + prof.decode_run_s(1, 5, tokens - 1)
+    )
     real = await _ttlt(await start_emulator(time_scale=1.0), tokens)  # type: ignore[operator]
     fast = await _ttlt(await start_emulator(time_scale=0.2), tokens)  # type: ignore[operator]
     assert expected * 0.95 <= real <= expected * 1.5 + 0.05
