@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit bench-policies clean vllm-env
+.PHONY: test lint typecheck unit bench-policies clean vllm-env system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,15 @@ unit: $(STAMP)
 vllm-env: $(STAMP)
 	$(BIN)/python -m loadgen.vllm_real setup
 
-test: lint typecheck vllm-env unit
+# Debian packages the tests and benchmarks run for real: Prometheus (server and promtool) and
+# nginx (the lower bound in the gateway overhead benchmark). Installed when missing (root).
+system-deps:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v nginx >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus nginx-light; \
+	else echo "please install the Debian packages prometheus and nginx-light"; exit 1; fi
+
+test: lint typecheck system-deps vllm-env unit
 
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policy_core.py

@@ -8,5 +8,6 @@ them: `emulator_url` / `start_emulator` (in-process emulated vLLM) and `real_vll
 pytest_plugins = [
     "fixtures.emulator_fixtures",
     "fixtures.gateway_fixtures",
+    "fixtures.prometheus_fixtures",
     "fixtures.real_vllm_fixtures",
 ]

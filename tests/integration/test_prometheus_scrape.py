@@ -19,6 +19,7 @@ async def test_prometheus_scrapes_gateway_ttft(
     backend = await start_emulator(time_scale=0.1)
     gw = await start_gateway([backend], policy="fcfs")
     prom = start_prometheus([gw.url.removeprefix("http://")])
+    await prom.wait_for_data('up{job="sagesched"} == 1')  # scraping before the traffic starts
     body = {
         "model": "tiny-llama",
         "messages": [{"role": "user", "content": "hi"}],
