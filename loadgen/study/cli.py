@@ -29,7 +29,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=list(grid.EXECUTORS), default="process")
     p.add_argument("--workers", type=int, help="worker processes (default: min(2, CPUs))")
     p.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
-    p.add_argument("--rows", type=Path, help="lssp: reuse a tidy CSV instead of simulating")
+    p.add_argument(
+        "--rows", type=Path, help="reuse a tidy CSV (lssp) or sagesched.csv instead of simulating"
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -90,6 +92,7 @@ def _sagesched(args: argparse.Namespace) -> dict[str, object]:
     return sagesched_eval.run_study(
         args.out,
         small=args.small,
+        rows_from=args.rows,
         workers=args.workers,
         n_boot=args.boot,
         progress=not args.no_progress,

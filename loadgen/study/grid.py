@@ -122,7 +122,8 @@ class Chunk:
 
 
 @functools.lru_cache(maxsize=8)
-def _windows(source: str) -> tuple[Window, ...]:
+def windows_of(source: str) -> tuple[Window, ...]:
+    """The frozen windows of `source` (cached per process)."""
     from loadgen.traces import load_windows
 
     return tuple(load_windows(source))
@@ -157,7 +158,7 @@ def cell_metrics(window: Window, axis: str, region: str, policy: str) -> dict[st
 
 def run_chunk(chunk: Chunk) -> list[Row]:
     """Every cell of a chunk, as tidy rows (a top-level function, so it pickles)."""
-    window = _windows(chunk.source)[chunk.window_index]
+    window = windows_of(chunk.source)[chunk.window_index]
     rows = []
     for region in chunk.regions:
         for policy in chunk.policies:
@@ -181,7 +182,11 @@ def plan(
     for axis in axes:
         points = tuple((regions or {}).get(axis, AXES[axis]))
         for source in sources:
-            n = len(_windows(source)) if windows is None else min(windows, len(_windows(source)))
+            n = (
+                len(windows_of(source))
+                if windows is None
+                else min(windows, len(windows_of(source)))
+            )
             chunks += [Chunk(source, i, axis, points, tuple(policies)) for i in range(n)]
     return chunks
 

@@ -17,7 +17,7 @@ import numpy as np
 from loadgen.regions import factor_for_utilisation, region_factor
 from loadgen.study import analysis
 from loadgen.study import plots as plotting
-from loadgen.study.grid import SOURCE_LABELS, Row, _windows
+from loadgen.study.grid import SOURCE_LABELS, Row, windows_of
 from loadgen.study.stats import CLASSES, Estimate
 
 PUBLISHED_TAU: dict[str, tuple[float, float, float]] = {
@@ -145,7 +145,8 @@ def knee_utilisation(sources: Sequence[str]) -> dict[str, tuple[float, float, fl
     out = {}
     for s in sources:
         u = [
-            region_factor(w, "KNEE") / factor_for_utilisation(w.requests, 1.0) for w in _windows(s)
+            region_factor(w, "KNEE") / factor_for_utilisation(w.requests, 1.0)
+            for w in windows_of(s)
         ]
         out[s] = (float(np.min(u)), float(np.median(u)), float(np.max(u)))
     return out

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from loadgen.study import stats
-from loadgen.study.sagesched_eval import BASELINES, SAGESCHED, Result
+from loadgen.study.sagesched_eval import BASELINES, SAGESCHED, VARIANTS, Result
 
 PAPER_GAIN_OVER_TRAIL = 0.287
 LABELS = {"sharegpt": "ShareGPT", "alpaca": "Alpaca", "azure-conv-2023": "Azure conv 2023"}
@@ -54,21 +54,30 @@ def _policies(values: Values) -> list[str]:
 
 
 def gains(
-    values: Values, conditions: Sequence[tuple[str, float, str]], n_boot: int
+    values: Values,
+    conditions: Sequence[tuple[str, float, str]],
+    n_boot: int,
+    ours: str = SAGESCHED,
 ) -> dict[str, stats.Estimate]:
-    """Baseline → pooled mean-TTLT gain of SageSched over it across `conditions`."""
+    """Baseline → pooled mean-TTLT gain of `ours` over it across `conditions`."""
     out = {}
     for base in _policies(values):
-        if base == SAGESCHED:
+        if base == ours:
             continue
         pairs = [
-            _paired(values, (d, u, arm, SAGESCHED, "ttlt_s_mean"), (d, u, arm, base, "ttlt_s_mean"))
+            _paired(values, (d, u, arm, ours, "ttlt_s_mean"), (d, u, arm, base, "ttlt_s_mean"))
             for d, u, arm in conditions
         ]
         pairs = [p for p in pairs if p[0].size]
         if pairs:
             out[base] = stats.pooled_gain(pairs, n_boot=n_boot)
     return out
+
+
+def _label(spec: str) -> str:
+    from policies.registry import parse_policy
+
+    return parse_policy(spec).label()
 
 
 def _f(v: float, digits: int = 2) -> str:
@@ -110,6 +119,26 @@ def write(
         pooled[arm] = {b: [e.value, e.lo, e.hi] for b, e in g.items()}
         md.append(f"| {arm} | " + " | ".join(_pct(g[b]) if b in g else "" for b in bases) + " |")
     summary["pooled"] = pooled
+    for variant in VARIANTS:
+        if not any(k[3] == _label(variant) for k in values):
+            continue
+        md += [
+            "",
+            f"Same, for `{_label(variant)}` (SageSched's order without gateway preemption):",
+            "",
+            "| arm | " + " | ".join(b for b in bases if b != _label(variant)) + " |",
+            "|" + "---|" * len(bases),
+        ]
+        np_pooled: dict[str, dict[str, list[float]]] = {}
+        for arm in arms:
+            g = gains(values, [c for c in conds if c[2] == arm], n_boot, ours=_label(variant))
+            np_pooled[arm] = {b: [e.value, e.lo, e.hi] for b, e in g.items()}
+            md.append(
+                f"| {arm} | "
+                + " | ".join(_pct(g[b]) if b in g else "" for b in bases if b != _label(variant))
+                + " |"
+            )
+        summary[f"pooled:{_label(variant)}"] = np_pooled
     md += [
         "",
         f"The paper reports over {100 * PAPER_GAIN_OVER_TRAIL:.1f}% improvement (over TRAIL,"
