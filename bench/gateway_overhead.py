@@ -1,0 +1,254 @@
+"""What the gateway adds to each request, measured side by side in one run.
+
+A zero-compute backend streams OpenAI chat chunks as fast as it can. The same closed-loop load
+(C concurrent streams, short or long answers) goes straight at it, through nginx (a plain
+streaming reverse proxy: the lower bound), and through the gateway with FCFS and with
+SageSched (which also embeds every prompt to predict its length). The backend and the client
+share core 1; each proxy gets core 0 to itself, so "req/s" is the proxy's one-core capacity
+when the proxy is the bottleneck.
+
+Run: `python bench/gateway_overhead.py [--seconds 3] [--out docs/bench/overhead.json]`.
+Needs nginx (`make system-deps`). Prints one table: TTFT p50/p99, TTFT added over direct,
+requests/s, and requests/s as a ratio of direct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+OUTPUTS = {"short": 16, "long": 256}
+CONCURRENCY = (1, 64, 256)
+
+BACKEND = textwrap.dedent(
+    '''
+    import json, sys
+    from aiohttp import web
+
+    def chunk(i):
+        return {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
+                "model": "bench", "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
+                "logprobs": None, "finish_reason": None}]}
+
+    USAGE = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
+             "model": "bench", "choices": [], "usage": None}
+
+    async def chat(request):
+        body = await request.json()
+        n = int(body.get("max_tokens", 16))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            await resp.write(b"data: " + json.dumps(chunk(i)).encode() + b"\\n\\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            u = dict(USAGE, usage={"prompt_tokens": 8, "completion_tokens": n, "total_tokens": n + 8})
+            await resp.write(b"data: " + json.dumps(u).encode() + b"\\n\\n")
+        await resp.write(b"data: [DONE]\\n\\n")
+        return resp
+
+    async def health(request):
+        return web.json_response({})
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+    '''
+)
+
+NGINX = textwrap.dedent(
+    """
+    worker_processes 1;
+    daemon off;
+    pid {dir}/nginx.pid;
+    error_log {dir}/error.log;
+    events {{ worker_connections 4096; }}
+    http {{
+        access_log off;
+        client_body_temp_path {dir};
+        proxy_temp_path {dir};
+        upstream backend {{ server 127.0.0.1:{backend}; keepalive 512; }}
+        server {{
+            listen 127.0.0.1:{port};
+            location / {{
+                proxy_pass http://backend;
+                proxy_http_version 1.1;
+                proxy_set_header Connection "";
+                proxy_buffering off;
+            }}
+        }}
+    }}
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def process(cmd: list[str], core: int, ready_url: str, env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run `cmd` pinned to `core` until the block ends; wait for `ready_url` to answer."""
+    full = ["taskset", "-c", str(core), *cmd] if shutil.which("taskset") else cmd
+    proc = subprocess.Popen(full, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_ready(ready_url, proc)
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} never became ready")
+
+
+async def load(url: str, concurrency: int, n_tokens: int, seconds: float) -> tuple[list[float], int]:
+    """Closed loop: `concurrency` streams back to back for `seconds`. Returns TTFTs (s) and
+    the number of completed requests."""
+    body = {"model": "bench", "messages": [{"role": "user", "content": "Benchmark prompt, please answer."}],
+            "max_tokens": n_tokens, "stream": True}  # fmt: skip
+    ttfts: list[float] = []
+    done = 0
+    stop = time.monotonic() + seconds
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", json=body) as r:
+                first = True
+                async for line in r.content:
+                    if first and line.startswith(b"data: {"):
+                        ttfts.append(time.perf_counter() - t0)
+                        first = False
+                assert r.status == 200
+            done += 1
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return ttfts, done
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def measure(url: str, seconds: float) -> dict[str, dict[str, float]]:
+    out = {}
+    for out_name, n in OUTPUTS.items():
+        for c in CONCURRENCY:
+            asyncio.run(load(url, c, n, min(1.0, seconds)))  # warm-up: connections, caches
+            ttfts, done = asyncio.run(load(url, c, n, seconds))
+            out[f"{out_name}/{c}"] = {
+                "ttft_p50_ms": statistics.median(ttfts) * 1000,
+                "ttft_p99_ms": quantile(ttfts, 0.99) * 1000,
+                "rps": done / seconds,
+            }
+    return out
+
+
+def gateway_cmd(backend: int, port: int, policy: str) -> list[str]:
+    return [PY, "-m", "sagesched_cli", "serve", "--backend", f"http://127.0.0.1:{backend}",
+            "--max-inflight", "4096", "--max-waiting", "100000", "--policy", policy,
+            "--port", str(port), "--log-level", "WARNING"]  # fmt: skip
+
+
+def run(seconds: float) -> dict[str, dict[str, dict[str, float]]]:
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    backend = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp, process(
+        [PY, "-c", BACKEND, str(backend)], 1, f"http://127.0.0.1:{backend}/health"
+    ):
+        results["direct"] = measure(f"http://127.0.0.1:{backend}", seconds)
+        if shutil.which("nginx"):
+            port = free_port()
+            conf = Path(tmp) / "nginx.conf"
+            conf.write_text(NGINX.format(dir=tmp, backend=backend, port=port))
+            with process(["nginx", "-c", str(conf), "-p", tmp], 0, f"http://127.0.0.1:{port}/health"):
+                results["nginx"] = measure(f"http://127.0.0.1:{port}", seconds)
+        for policy in ("fcfs", "sagesched"):
+            port = free_port()
+            with process(gateway_cmd(backend, port, policy), 0, f"http://127.0.0.1:{port}/ready", env):
+                results[f"gateway-{policy}"] = measure(f"http://127.0.0.1:{port}", seconds)
+    return results
+
+
+def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
+    direct = results["direct"]
+    lines = [
+        "| path | output | streams | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | req/s | req/s vs direct |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for path, cells in results.items():
+        for cell, m in cells.items():
+            out, c = cell.split("/")
+            d = direct[cell]
+            lines.append(
+                f"| {path} | {out} | {c} | {m['ttft_p50_ms']:.2f} | {m['ttft_p99_ms']:.2f} | "
+                f"{m['ttft_p50_ms'] - d['ttft_p50_ms']:+.2f} | {m['ttft_p99_ms'] - d['ttft_p99_ms']:+.2f} | "
+                f"{m['rps']:,.0f} | {m['rps'] / d['rps']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0, help="measurement time per cell")
+    parser.add_argument("--out", type=Path, help="also write the raw numbers as JSON here")
+    args = parser.parse_args()
+    results = run(args.seconds)
+    print(table(results))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
