@@ -22,7 +22,7 @@ from loadgen.emulator import protocol
 from loadgen.emulator.engine_loop import EmuRequest, EngineLoop
 from loadgen.emulator.metrics import EmulatorMetrics
 from loadgen.engine.configs import EngineConfig, engine_config
-from loadgen.engine.profiles import make_profile
+from loadgen.engine.profiles import LatencyProfile, make_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +75,11 @@ STATE = web.AppKey("emulator_state", AppState)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
-def create_app(config: EmulatorConfig) -> web.Application:
-    """The aiohttp app; the engine loop starts and stops with it."""
+def create_app(config: EmulatorConfig, profile: LatencyProfile | None = None) -> web.Application:
+    """The aiohttp app; the engine loop starts and stops with it. `profile` overrides the
+    named one (calibration tries coefficients this way)."""
     app = web.Application(middlewares=[_errors])
-    app.cleanup_ctx.append(_lifecycle(config))
+    app.cleanup_ctx.append(_lifecycle(config, profile or make_profile(config.profile)))
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
@@ -87,7 +88,7 @@ def create_app(config: EmulatorConfig) -> web.Application:
     return app
 
 
-def _lifecycle(config: EmulatorConfig) -> Any:
+def _lifecycle(config: EmulatorConfig, profile: LatencyProfile) -> Any:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         metrics = EmulatorMetrics(config.model)
 
@@ -98,7 +99,7 @@ def _lifecycle(config: EmulatorConfig) -> Any:
 
         loop = EngineLoop(
             config.engine_config(),
-            make_profile(config.profile),
+            profile,
             time_scale=config.time_scale,
             on_tokens=on_tokens,
             on_iteration=metrics.on_stats,

@@ -1,9 +1,11 @@
 """Measure the vLLM CPU build serving the tiny model and fit the `cpu-tiny-vllm` profile.
 
 Run: `python -m loadgen.engine.fit_cpu [--url URL] [--out FILE]`. Without `--url` it starts
-a real server (`loadgen.vllm_real`, installing it if needed). It prints the coefficients that
-`loadgen.engine.profiles.CPU_TINY_VLLM` holds and writes the measurements (JSON rows) to
-`--out` (default `loadgen/engine/cpu_tiny_vllm_measurements.json`).
+a real server (`loadgen.vllm_real`, installing it if needed). It prints the
+coefficients that `loadgen.engine.profiles.CPU_TINY_VLLM` holds (with `--url URL
+--window-correction`, also coefficients corrected on a replayed window; not used for the
+committed numbers, since on a shared CPU they follow the load of the moment) and writes the
+measurements (JSON rows) to `--out` (default `loadgen/engine/cpu_tiny_vllm_measurements.json`).
 
 What is measured, from a client's point of view (so HTTP, tokenisation and scheduler overhead
 are part of the numbers, as they are for the emulator's users), with prompts given as random
@@ -177,12 +179,74 @@ def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+CAL_WINDOW = {"n": 40, "rate_per_s": 3.0, "seed": 1}
+"""The window-correction replay (the fidelity test replays seed 4, not this one)."""
+WINDOW_PASSES = 3
+"""vLLM replays of the window; medians over them."""
+
+
+def _window_stats(records: list[Any]) -> dict[str, float]:
+    tpot = [(r.ttlt_s - r.ttft_s) / (r.output_tokens - 1) for r in records if r.output_tokens > 1]
+    return {
+        "ttft_ms": statistics.median(r.ttft_s for r in records) * 1000,
+        "tpot_ms": statistics.median(tpot) * 1000,
+    }
+
+
+async def _emulate(window: list[Any], k: Any) -> dict[str, float]:
+    from loadgen.emulator.replay import replay
+    from loadgen.emulator.server import EmulatorConfig, create_app, make_runner
+    from loadgen.engine.profiles import CpuTinyVllm
+
+    app = create_app(EmulatorConfig(), CpuTinyVllm(k))
+    runner, port = await make_runner(app, "127.0.0.1", 0)
+    try:
+        return _window_stats(await replay(f"http://127.0.0.1:{port}", "tiny-llama", window))
+    finally:
+        await runner.cleanup()
+
+
+async def window_correction(url: str, model: str, coefs: dict[str, float]) -> dict[str, float]:
+    """Correct the fit on concurrent traffic: replay `CAL_WINDOW` on vLLM (3 passes, medians)
+    and on the emulator; scale the iteration terms by the ratio of median TPOTs, then shift the
+    request overhead by the remaining difference of median TTFTs. (Imports the emulator: this
+    is a script, not part of the engine model.)"""
+    from dataclasses import replace
+
+    from loadgen.emulator.replay import replay, synthetic_window
+    from loadgen.engine.profiles import CpuTinyCoefficients
+
+    window = synthetic_window(**CAL_WINDOW)  # type: ignore[arg-type]
+    await replay(url, model, synthetic_window(n=16, rate_per_s=4.0, seed=99))  # warm-up
+    passes = [_window_stats(await replay(url, model, window)) for _ in range(WINDOW_PASSES)]
+    real = {n: statistics.median(p[n] for p in passes) for n in passes[0]}
+    names = ("a_ms", "per_seq_ms", "per_ctx_ms", "per_prefill_tok_ms", "request_overhead_ms",
+             "overhead_per_running_ms")  # fmt: skip
+    k = CpuTinyCoefficients(**{n: coefs[n] for n in names})
+    emu = await _emulate(window, k)
+    s = real["tpot_ms"] / emu["tpot_ms"]
+    k = replace(k, a_ms=k.a_ms * s, per_seq_ms=k.per_seq_ms * s, per_ctx_ms=k.per_ctx_ms * s,
+                per_prefill_tok_ms=k.per_prefill_tok_ms * s)  # fmt: skip
+    emu2 = await _emulate(window, k)
+    shift = real["ttft_ms"] - emu2["ttft_ms"]
+    k = replace(k, request_overhead_ms=max(0.0, k.request_overhead_ms + shift))
+    out = {n: float(f"{getattr(k, n):.6g}") for n in names}
+    out |= {"tpot_scale": round(s, 3), "overhead_shift_ms": round(shift, 2)}
+    out |= {f"real_{n}": round(v, 2) for n, v in real.items()}
+    out |= {f"emu_before_{n}": round(v, 2) for n, v in emu.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadgen.engine.fit_cpu", description=__doc__)
     ap.add_argument("--url", help="a running vLLM CPU server (default: start one)")
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--runs", type=int, default=3, help="measure this often; median per row")
+    ap.add_argument(
+        "--window-correction", action="store_true",
+        help="with --url: also correct the fit on a replayed window (follows the current load)",
+    )  # fmt: skip
     ap.add_argument("--rows", type=Path, help="fit these saved rows instead of measuring")
     args = ap.parse_args(argv)
     if args.rows:
@@ -196,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = _repeat(server.url, args.model, args.runs)
     if not args.rows:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(json.dumps(fit(rows)))
+    coefs = fit(rows)
+    print(json.dumps(coefs))
+    if args.url and args.window_correction:
+        print(json.dumps(asyncio.run(window_correction(args.url, args.model, coefs))))
     return 0
 
 
