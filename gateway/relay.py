@@ -164,15 +164,19 @@ class Relay:
         ticket: Ticket = job.ctx
         ticket.abort_upstream = resp.close
         done = False
+        pending = b""
         try:
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue  # blank separators and comments; events are re-framed below
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
+            # Whatever bytes are available at once are handled together and relayed in one
+            # write: under load several events arrive per read, and writes are the cost.
+            async for data in resp.content.iter_any():
+                pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+                *events, pending = pending.split(b"\n\n")
+                out, done = self._events(job, events, state)
+                if out:
+                    response = state.response or await self._open(request, state)
+                    await _write(response, out)
+                if done:
                     break
-                await self._event(request, job, payload, state)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             if ticket.preempt_requested:
                 return False
@@ -186,10 +190,23 @@ class Relay:
         await self._finish_stream(request, job, state)
         return True
 
-    async def _event(
-        self, request: web.Request, job: Job, payload: bytes, state: StreamState
-    ) -> None:
-        """One upstream SSE event: count it, time it, relay it (or hold the usage chunk)."""
+    def _events(self, job: Job, events: list[bytes], state: StreamState) -> tuple[bytes, bool]:
+        """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came."""
+        out: list[bytes] = []
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue  # comments and other fields; events are re-framed below
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return b"".join(out), True
+                if self._event(job, payload, state):
+                    out.append(b"data: " + payload + b"\n\n")
+        return b"".join(out), False
+
+    def _event(self, job: Job, payload: bytes, state: StreamState) -> bool:
+        """Count and time one upstream event; True if it is relayed as it is (the usage
+        chunk is held back, a continuation's repeated role chunk dropped)."""
         ticket: Ticket = job.ctx
         if _USAGE_MARK in payload:
             state.usage_raw = payload
@@ -197,10 +214,10 @@ class Relay:
                 state.usage = json.loads(payload).get("usage")
             except ValueError:
                 state.usage = None
-            return
+            return False
         is_token = not any(mark in payload for mark in _EMPTY_CONTENT)
         if state.segments and not is_token and _ROLE_MARK in payload:
-            return  # a continuation's opening role chunk: the client already had one
+            return False
         if is_token:
             now = time.monotonic()
             trace = ticket.trace
@@ -213,8 +230,7 @@ class Relay:
             if self._config.preemption and ticket.call.continuable:
                 state.text += _chunk_text(payload)
             self._dispatcher.progress(job, 1)
-        response = state.response or await self._open(request, state)
-        await _write(response, b"data: " + payload + b"\n\n")
+        return True
 
     async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)
