@@ -1,0 +1,235 @@
+"""Generate `dashboards/sagesched.json`, the gateway's Grafana dashboard.
+
+Run `python deploy/grafana/build_dashboard.py` after editing; a unit test fails while the JSON
+in the repository differs from what this script writes. Panels read the recording rules of
+`deploy/prometheus/sagesched.rules.yml` for quantiles (cheap to draw over long ranges) and raw
+counters with `$__rate_interval` for rates. Variables: `datasource`, `model`, `backend`,
+`policy` (the gateway's labels) and `instance` (the vLLM scrape targets).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).parent / "dashboards" / "sagesched.json"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+MP = 'model=~"$model", policy=~"$policy"'
+MBP = 'model=~"$model", backend=~"$backend", policy=~"$policy"'
+MB = 'model=~"$model", backend=~"$backend"'
+VLLM = 'instance=~"$instance", model_name=~"$model"'
+
+
+def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+
+
+def panel(
+    title: str,
+    description: str,
+    targets: list[tuple[str, str]],
+    unit: str,
+    grid: tuple[int, int, int, int],
+    kind: str = "timeseries",
+    overrides: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A panel; `targets` are (expr, legend) pairs; `grid` is (x, y, w, h)."""
+    x, y, w, h = grid
+    return {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "fieldConfig": {
+            "defaults": {"unit": unit, "custom": {}} if kind == "timeseries" else {"unit": unit},
+            "overrides": overrides or [],
+        },
+        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["last"]}}
+        if kind == "timeseries"
+        else {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+        "targets": [target(e, leg, chr(ord("A") + i)) for i, (e, leg) in enumerate(targets)],
+    }
+
+
+def row(title: str, y: int) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [],
+            "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}}  # fmt: skip
+
+
+def quantiles(record: str, selector: str, legend: str) -> list[tuple[str, str]]:
+    """p50/p95/p99 of a recorded quantile family."""
+    return [(f"{record}:{q}{{{selector}}}", f"{q} {legend}") for q in ("p50", "p95", "p99")]
+
+
+def dashed(regex: str) -> dict[str, Any]:
+    """An override drawing matching series as dashed lines (caps, the vLLM side)."""
+    return {
+        "matcher": {"id": "byRegexp", "options": regex},
+        "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}],
+    }
+
+
+def variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "query": {"query": query, "refId": f"var-{name}"},
+        "definition": query,
+        "refresh": 2,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
+
+
+def panels() -> list[dict[str, Any]]:
+    ttft, ttlt = "sagesched_time_to_first_token_seconds", "sagesched_time_to_last_token_seconds"
+    errors = 'outcome!~"completed|rejected|queue_full|cancelled_waiting|cancelled_running"'
+    out = [
+        row("Overview", 0),
+        panel("Request rate", "Requests per second that reached a terminal state.",
+              [(f"sum(rate(sagesched_requests_total{{{MP}}}[$__rate_interval]))", "req/s")],
+              "reqps", (0, 1, 6, 4), kind="stat"),
+        panel("Error ratio (5 m)", "Share of requests that ended in a server-side error.",
+              [(f"sum(rate(sagesched_requests_total{{{MP}, {errors}}}[5m])) / "
+                f"sum(rate(sagesched_requests_total{{{MP}}}[5m]))", "errors")],
+              "percentunit", (6, 1, 6, 4), kind="stat"),
+        panel("Waiting in the gateway", "Requests queued in the gateway now.",
+              [(f"sum(sagesched_queue_depth{{{MP}}})", "waiting")], "short", (12, 1, 6, 4),
+              kind="stat"),
+        panel("Healthy backends", "Backends that passed their last health check.",
+              [('sum(sagesched_backend_healthy{backend=~"$backend"})', "healthy")], "short",
+              (18, 1, 6, 4), kind="stat"),
+        row("Latency by policy", 5),
+        panel("Time to first token by policy",
+              "Arrival at the gateway to the first token relayed: queue wait + prediction + "
+              "the backend's own TTFT.",
+              quantiles(f"model_policy:{ttft}", MP, "{{policy}} {{model}}"), "s", (0, 6, 12, 8)),
+        panel("Time to last token by policy", "Arrival at the gateway to the last token relayed.",
+              quantiles(f"model_policy:{ttlt}", MP, "{{policy}} {{model}}"), "s", (12, 6, 12, 8)),
+        panel("Inter-token latency p95 by policy",
+              "Gap between streamed chunks at the gateway; preemption and overload raise it.",
+              [(f"model_policy:sagesched_inter_token_latency_seconds:p95{{{MP}}}",
+                "p95 {{policy}} {{model}}")], "s", (0, 14, 12, 8)),
+        panel("Time to first token p95 by backend", "Per backend, from the raw histogram.",
+              [(f"histogram_quantile(0.95, sum by (backend, le) (rate({ttft}_bucket{{{MBP}}}"
+                "[$__rate_interval])))", "p95 {{backend}}")], "s", (12, 14, 12, 8)),
+        row("Queue", 22),
+        panel("Queue depth", "Requests waiting in the gateway, per model and policy.",
+              [(f"sum by (model, policy) (sagesched_queue_depth{{{MP}}})",
+                "{{policy}} {{model}}")], "short", (0, 23, 12, 8)),
+        panel("Queue wait", "Admission to dispatch to a backend.",
+              quantiles("model_policy:sagesched_queue_wait_seconds", MP, "{{policy}} {{model}}"),
+              "s", (12, 23, 12, 8)),
+        row("Backends", 31),
+        panel("In flight against the cap", "Requests running on each backend; dashed: its cap.",
+              [('sum by (backend) (sagesched_backend_inflight{backend=~"$backend"})',
+                "in flight {{backend}}"),
+               ('max by (backend) (sagesched_backend_inflight_cap{backend=~"$backend"})',
+                "cap {{backend}}")], "short", (0, 32, 12, 8), overrides=[dashed("cap .*")]),
+        panel("Backend health", "1 = passed its last health check.",
+              [('max by (backend) (sagesched_backend_healthy{backend=~"$backend"})',
+                "{{backend}}")], "short", (12, 32, 6, 8)),
+        panel("Output tokens per second", "Tokens relayed per backend.",
+              [(f"sum by (backend) (rate(sagesched_output_tokens_total{{{MB}}}"
+                "[$__rate_interval]))", "{{backend}}")], "short", (18, 32, 6, 8)),
+        row("Traffic and errors", 40),
+        panel("Request rate by terminal state and status", "One series per outcome and code.",
+              [(f"sum by (outcome, code) (rate(sagesched_requests_total{{{MP}}}"
+                "[$__rate_interval]))", "{{outcome}} {{code}}")], "reqps", (0, 41, 12, 8)),
+        panel("Error ratio", "Server-side errors over all requests (recorded, 5 m).",
+              [(f"model_policy:sagesched_requests_errors:ratio_rate5m{{{MP}}}",
+                "{{policy}} {{model}}")], "percentunit", (12, 41, 12, 8)),
+        panel("Preemptions and retries",
+              "Running requests preempted and requeued; requests retried on another backend.",
+              [(f"sum by (backend, policy) (rate(sagesched_preemptions_total{{{MBP}}}"
+                "[$__rate_interval]))", "preempted {{backend}} {{policy}}"),
+               (f"sum by (backend) (rate(sagesched_retries_total{{{MB}}}[$__rate_interval]))",
+                "retried {{backend}}")], "reqps", (0, 49, 12, 8)),
+        row("Predictor", 57),
+        panel("Predictor latency", "Time to predict a request's output-length distribution.",
+              [(f'model:sagesched_predictor_latency_seconds:{q}{{model=~"$model"}}',
+                f"{q} {{{{model}}}}") for q in ("p50", "p99")], "s", (0, 58, 12, 8)),
+        panel("Prediction error",
+              "|predicted median - true output tokens| / true output tokens, completed requests.",
+              [(f"model_policy:sagesched_prediction_error_ratio:{q}{{{MP}}}",
+                f"{q} {{{{policy}}}} {{{{model}}}}") for q in ("p50", "p90")], "percentunit",
+              (12, 58, 12, 8)),
+        row("Where the time goes: gateway next to vLLM", 66),
+        panel("Gateway queue, vLLM waiting, vLLM running",
+              "A healthy gateway holds the backlog (gateway waiting) and keeps vLLM's own "
+              "queue near empty; dashed: the vLLM side.",
+              [(f"sum(sagesched_queue_depth{{{MP}}})", "gateway waiting"),
+               ('sum by (backend) (sagesched_backend_inflight{backend=~"$backend"})',
+                "gateway in flight {{backend}}"),
+               (f"sum by (instance) (vllm:num_requests_waiting{{{VLLM}}})",
+                "vLLM waiting {{instance}}"),
+               (f"sum by (instance) (vllm:num_requests_running{{{VLLM}}})",
+                "vLLM running {{instance}}")], "short", (0, 67, 12, 8),
+              overrides=[dashed("vLLM .*")]),
+        panel("vLLM KV-cache usage", "1 = every KV block in use; near 1 vLLM preempts.",
+              [(f"max by (instance) (vllm:kv_cache_usage_perc{{{VLLM}}})", "{{instance}}")],
+              "percentunit", (12, 67, 12, 8)),
+        panel("Time to first token p95: gateway against vLLM",
+              "The gap between the two lines is time spent in the gateway (queue + prediction).",
+              [(f"model_policy:{ttft}:p95{{{MP}}}", "gateway {{policy}} {{model}}"),
+               (f"instance_model_name:vllm:time_to_first_token_seconds:p95{{{VLLM}}}",
+                "vLLM {{instance}}"),
+               (f"model_policy:sagesched_queue_wait_seconds:p95{{{MP}}}",
+                "gateway queue wait {{policy}} {{model}}")], "s", (0, 75, 12, 8),
+              overrides=[dashed("vLLM .*")]),
+        panel("vLLM preemptions", "The engine's own recompute preemptions (KV pressure).",
+              [(f"sum by (instance) (rate(vllm:num_preemptions_total{{{VLLM}}}"
+                "[$__rate_interval]))", "{{instance}}")], "short", (12, 75, 12, 8)),
+    ]  # fmt: skip
+    for i, p in enumerate(out, start=1):
+        p["id"] = i
+    return out
+
+
+def variables() -> list[dict[str, Any]]:
+    source = {"name": "datasource", "label": "Data source", "type": "datasource",
+              "query": "prometheus", "current": {}, "hide": 0}  # fmt: skip
+    return [
+        source,
+        variable("model", "Model", "label_values(sagesched_requests_total, model)"),
+        variable("backend", "Backend", "label_values(sagesched_backend_inflight, backend)"),
+        variable("policy", "Policy", "label_values(sagesched_requests_total, policy)"),
+        variable("instance", "vLLM instance", "label_values(vllm:num_requests_running, instance)"),
+    ]
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "uid": "sagesched-gateway",
+        "title": "SageSched gateway",
+        "description": "Is the queue helping or hurting, and for whom: gateway latency by "
+        "policy, the queue, backends against their caps, and vLLM's own series beside them.",
+        "tags": ["sagesched", "vllm", "llm"],
+        "editable": True,
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "graphTooltip": 1,
+        "annotations": {"list": []},
+        "templating": {"list": variables()},
+        "panels": panels(),
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render(), encoding="utf-8")
+    sys.stdout.write(f"wrote {OUT}\n")
