@@ -249,14 +249,14 @@ class Relay:
         if usage is not None:
             last = int(usage.get("completion_tokens", state.tokens - state.tokens_before))
             state.tokens = state.tokens_before + last
+        tail = b"data: [DONE]\n\n"
         if ticket.call.wants_usage and usage is not None:
             chunk = state.usage_raw if not state.segments else _usage_chunk(usage, state)
-            await _write(response, b"data: " + chunk + b"\n\n")
-        await _write(response, b"data: [DONE]\n\n")
+            tail = b"data: " + chunk + b"\n\n" + tail
         trace.finished = time.monotonic()
         trace.output_tokens = state.tokens
         try:
-            await response.write_eof()
+            await response.write_eof(tail)  # the last events and the end of the body, one write
         except ConnectionResetError:
             raise ClientGone() from None
 
