@@ -1,0 +1,69 @@
+"""Config pipeline: file, environment, flags, validation; the adaptive-cap control law."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.backends import next_cap
+from gateway.cli import build_parser, overrides
+from gateway.config import AdaptiveCapConfig, ConfigError, as_dict, build, load
+
+
+def test_file_env_flags_in_that_order(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(
+        "policy: fcfs\nport: 9000\nbackends:\n  - url: http://a:8000\n    max_inflight: 3\n"
+        "adaptive_cap:\n  enabled: true\n  kv_high: 0.8\n"
+    )
+    env = {"SAGESCHED_PORT": "9100", "SAGESCHED_ADMIN_KEY": "s3cret"}
+    cfg = load(str(path), {"policy": "sagesched:cost=tokens", "port": None}, env)
+    assert cfg.port == 9100  # env beats the file; a flag left unset (None) changes nothing
+    assert cfg.policy == "sagesched:cost=tokens"  # flags beat both
+    assert cfg.backends[0].max_inflight == 3 and cfg.backends[0].name == "a:8000"
+    assert cfg.adaptive_cap.enabled and cfg.adaptive_cap.kv_high == 0.8
+    assert as_dict(cfg)["admin_key"] == "***"
+
+
+def test_env_backends_list() -> None:
+    cfg = load(None, {}, {"SAGESCHED_BACKENDS": "http://a:1, http://b:2"})
+    assert [b.url for b in cfg.backends] == ["http://a:1", "http://b:2"]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"backends": []}, "at least one backend"),
+        ({"backends": [{"url": "a:1"}]}, "must start with http"),
+        ({"backends": [{"url": "http://a"}], "portt": 1}, "unknown key"),
+        ({"backends": [{"url": "http://a", "max_inflight": "many"}]}, "must be a number"),
+        ({"backends": [{"url": "http://a", "colour": 1}]}, "unknown key"),
+        ({"backends": [{"url": "http://a"}], "policy": "nope"}, "unknown policy"),
+        ({"backends": [{"url": "http://a"}], "preemption": "maybe"}, "true or false"),
+        ({"backends": [{"url": "http://a"}, {"url": "http://a"}]}, "unique"),
+        ({"backends": [{"url": "http://a"}], "queue_timeout_s": 0}, "queue_timeout_s"),
+    ],
+)
+def test_invalid_configs_name_the_key(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build(data)
+
+
+def test_serve_flags_describe_backends_without_a_file() -> None:
+    args = build_parser("serve").parse_args(
+        ["--backend", "http://x:1", "--backend", "http://y:2", "--max-inflight", "4",
+         "--policy", "fcfs", "--port", "8123", "--preemption"]
+    )  # fmt: skip
+    cfg = load(None, overrides(args), {})
+    assert [(b.url, b.max_inflight) for b in cfg.backends] == [("http://x:1", 4), ("http://y:2", 4)]
+    assert cfg.port == 8123 and cfg.preemption and cfg.policy == "fcfs"
+
+
+def test_aimd_cap_control_law() -> None:
+    cfg = AdaptiveCapConfig(min_inflight=2, max_inflight=10, kv_high=0.9, waiting_high=1)
+    assert next_cap(8, inflight=8, waiting=0, kv=0.5, cfg=cfg) == 9  # saturated, engine idle: +1
+    assert next_cap(8, inflight=3, waiting=0, kv=0.5, cfg=cfg) == 8  # not using the cap: hold
+    assert next_cap(8, inflight=8, waiting=5, kv=0.5, cfg=cfg) == 7  # vLLM queue forming: -1/8
+    assert next_cap(16 * 8, inflight=0, waiting=0, kv=0.95, cfg=cfg) == 10  # clamp to max
+    assert next_cap(2, inflight=2, waiting=3, kv=0.99, cfg=cfg) == 2  # never below min
