@@ -17,7 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from loadgen.emulator.replay import medians, replay, synthetic_window
+from loadgen.replay import medians, synthetic_window
+from loadgen.replay import replay_window as replay
 from loadgen.vllm_real import CACHE, RealVllm
 
 pytestmark = pytest.mark.slow
@@ -131,3 +132,19 @@ async def test_fidelity_median_ttft_and_ttlt(
     print(json.dumps(result))
     for k, ratio in ratios.items():
         assert abs(ratio - 1) <= TOLERANCE, f"{k}: emulator/vLLM = {ratio:.2f} ({result})"
+
+
+async def test_priority_scheduling_server(
+    real_vllm_priority: RealVllm, start_emulator: StartEmulator
+) -> None:
+    """Both servers with priority scheduling take a `priority` and answer alike (last in this
+    file: it starts a second vLLM server, after the fidelity replay)."""
+    emu = await start_emulator(priority_scheduling=True)
+    shapes = []
+    async with aiohttp.ClientSession() as s:
+        for url in (real_vllm_priority.url, emu):
+            body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 3, "ignore_eos": True}
+            got = await _call(s, url, "completions", body | {"priority": -3})
+            assert got["usage"]["completion_tokens"] == 3
+            shapes.append(shape(got))
+    assert shapes[0] == shapes[1]
