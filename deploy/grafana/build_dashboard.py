@@ -99,7 +99,7 @@ def panels() -> list[dict[str, Any]]:
               [(f"sum(rate(sagesched_requests_total{{{MP}}}[$__rate_interval]))", "req/s")],
               "reqps", (0, 1, 6, 4), kind="stat"),
         panel("Error ratio (5 m)", "Share of requests that ended in a server-side error.",
-              [(f"sum(rate(sagesched_requests_total{{{MP}, {errors}}}[5m])) / "
+              [(f"(sum(rate(sagesched_requests_total{{{MP}, {errors}}}[5m])) or vector(0)) / "
                 f"sum(rate(sagesched_requests_total{{{MP}}}[5m]))", "errors")],
               "percentunit", (6, 1, 6, 4), kind="stat"),
         panel("Waiting in the gateway", "Requests queued in the gateway now.",
