@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,16 +126,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000", help="history sizes, comma-separated")
     parser.add_argument("--queries", type=int, default=2_000, help="lookups per size")
+    parser.add_argument(
+        "--parts", default="lookup,embed,concurrent", help="which parts to run, comma-separated"
+    )
     args = parser.parse_args()
     cfg = PredictorConfig()
     embedder = Embedder()
-    print(f"device {embedder.device}; config {cfg.to_dict()}\n")
+    parts = set(args.parts.split(","))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"device {embedder.device}; load average at start {load}; config {cfg.to_dict()}\n")
     print("| what | case | p50 | p99 |\n|---|---|---|---|")
-    for size in (int(s) for s in args.sizes.split(",")):
+    for size in (int(s) for s in args.sizes.split(",")) if "lookup" in parts else ():
         print("\n".join(bench_lookup(cfg, embedder, size, args.queries)), flush=True)
     texts = [p for _, p, _ in load_pairs("sharegpt")[:2_000]]
     model = LengthPredictor(cfg, embedder=embedder)
-    print("\n".join(bench_embedding(model, texts)), flush=True)
+    if "embed" in parts:
+        print("\n".join(bench_embedding(model, texts)), flush=True)
+    if "concurrent" not in parts:
+        return 0
     rng = np.random.default_rng(0)
     model.index.add(
         _unit(rng, 10_000, embedder.dim), rng.integers(1, 1000, 10_000), np.ones(10_000)
@@ -142,6 +151,7 @@ def main() -> int:
     short = [f"Write a short poem about the number {i}, please." for i in range(200)]
     print("\n".join(bench_concurrent(model, "short prompts", short)), flush=True)
     print("\n".join(bench_concurrent(model, "ShareGPT prompts", texts[:200])), flush=True)
+    print(f"\nload average at end {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 
 
