@@ -17,6 +17,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "predictor": ("predictor.cli", "build, evaluate and warm the output-length predictor"),
     "study": ("loadgen.study.cli", "portability study and SageSched evaluation in simulation"),
     "emulate": ("loadgen.emulator.cli", "run an emulated vLLM backend driven by the engine model"),
+    "replay": ("loadgen.replay.cli", "replay a trace open-loop against a live server"),
+    "compare": ("loadgen.replay.compare", "replay the same window against several targets"),
+    "demo": ("loadgen.demo", "FCFS vs SageSched on an emulated backend, no GPU needed"),
 }
 
 

@@ -194,9 +194,9 @@ def _window_stats(records: list[Any]) -> dict[str, float]:
 
 
 async def _emulate(window: list[Any], k: Any) -> dict[str, float]:
-    from loadgen.emulator.replay import replay
     from loadgen.emulator.server import EmulatorConfig, create_app, make_runner
     from loadgen.engine.profiles import CpuTinyVllm
+    from loadgen.replay import replay_window as replay
 
     app = create_app(EmulatorConfig(), CpuTinyVllm(k))
     runner, port = await make_runner(app, "127.0.0.1", 0)
@@ -213,8 +213,9 @@ async def window_correction(url: str, model: str, coefs: dict[str, float]) -> di
     is a script, not part of the engine model.)"""
     from dataclasses import replace
 
-    from loadgen.emulator.replay import replay, synthetic_window
     from loadgen.engine.profiles import CpuTinyCoefficients
+    from loadgen.replay import replay_window as replay
+    from loadgen.replay import synthetic_window
 
     window = synthetic_window(**CAL_WINDOW)  # type: ignore[arg-type]
     await replay(url, model, synthetic_window(n=16, rate_per_s=4.0, seed=99))  # warm-up

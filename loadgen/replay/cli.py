@@ -1,0 +1,203 @@
+"""`sagesched replay` and `sagesched compare`: open-loop trace replay against live servers.
+
+```
+sagesched replay --target http://127.0.0.1:8080 --source lssp-azure2024 --windows 1 \
+    --region KNEE --prompts sample --slo e2el:20000 --out results.jsonl
+sagesched replay --target URL --dataset sample --num-prompts 200 --request-rate 20
+sagesched compare --target fcfs=http://gw-a:8080 --target sagesched=http://gw-b:8080 \
+    --source lssp-azure2024 --windows 1 --region KNEE
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from loadgen.regions import REGIONS, compress
+from loadgen.replay.client import ReplayRequest, ReplayResult, replay
+from loadgen.replay.prompts import build_requests, dataset_requests, http_json, tokenize_counter
+from loadgen.replay.report import comparison, failures, parse_slos, summarize_replay, table
+
+T = TypeVar("T")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags shared by replay, compare and the validation script."""
+    p.add_argument("--source", help="trace source (see `sagesched traces`)")
+    p.add_argument("--windows", default="1", help="'all', a count N (first N) or ids a,b")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--region", choices=list(REGIONS), help="multiple of each window's knee")
+    load.add_argument("--factor", type=float, help="explicit time-compression factor")
+    load.add_argument("--rate", type=float, help="target mean arrival rate of a window (req/s)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="extra factor on the load")
+    p.add_argument("--first", type=int, help="replay only the first N requests of each window")
+    p.add_argument("--dataset", help="no trace: prompts from 'sample' or a JSONL path")
+    p.add_argument("--num-prompts", type=int, default=200, help="with --dataset")
+    p.add_argument("--request-rate", type=float, default=10.0, help="with --dataset (req/s)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    p.add_argument("--prompts", default="ids",
+                   help="ids | text (exact via /tokenize) | sample | PATH.jsonl")  # fmt: skip
+    p.add_argument("--max-output", type=int, help="cap output lengths (tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="served model name (default: the target's first model)")
+    p.add_argument("--slo", action="append", default=[],
+                   help="goodput SLO, ttft|tpot|e2el:MS (repeatable)")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout (s)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def workloads(
+    args: argparse.Namespace, count_url: str | None = None, model: str = ""
+) -> list[tuple[str, list[ReplayRequest]]]:
+    """(label, requests) per selected window, or one dataset workload."""
+    if args.source is None:
+        if args.dataset is None:
+            raise ValueError("give --source (a trace) or --dataset (prompts at --request-rate)")
+        reqs = dataset_requests(args.num_prompts, args.request_rate * args.rate_scale,
+                                path=args.dataset, burstiness=args.burstiness, seed=args.seed,
+                                max_output=args.max_output)  # fmt: skip
+        return [(f"{args.dataset}@{args.request_rate * args.rate_scale:g}rps", reqs)]
+    from loadgen.sim.cli import _factor, _windows
+
+    args.utilisation = None  # the simulator's load flags that replay does not offer
+    out = []
+    counter = tokenize_counter(count_url, model) if args.prompts == "text" and count_url else None
+    for w in _windows(args.source, args.windows):
+        trace = list(w.requests[: args.first] if args.first else w.requests)
+        factor = _factor(w, args) * args.rate_scale
+        reqs = build_requests(compress(trace, factor), prompts=args.prompts, seed=args.seed,
+                              count_tokens=counter, max_output=args.max_output)  # fmt: skip
+        out.append((f"{w.source}/{w.window_id}@x{factor:.3g}", reqs))
+    if not out:
+        raise ValueError(f"no windows selected from {args.source}")
+    return out
+
+
+def served_model(url: str) -> str:
+    """The target's first served model (`GET /v1/models`)."""
+    return str(http_json(url.rstrip("/") + "/v1/models")["data"][0]["id"])
+
+
+def run(
+    url: str, model: str, requests: Sequence[ReplayRequest], *, timeout_s: float = 600.0,
+    progress: bool = True, desc: str = "replay",
+) -> list[ReplayResult]:  # fmt: skip
+    """Replay `requests` against `url` in a fresh event loop, with a progress bar."""
+    bar = None
+    if progress:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+
+        bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr)
+    try:
+        on_done = None if bar is None else (lambda _r: bar.update(1))
+        return _run_loop(replay(url, model, requests, timeout_s=timeout_s, on_done=on_done))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop where installed (less loop overhead per callback, smaller lag)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def write_jsonl(path: str, label: str, target: str, results: Sequence[ReplayResult]) -> None:
+    with Path(path).open("a", encoding="utf-8") as f:
+        for r in results:
+            f.write(json.dumps({"workload": label, "target": target, **r.as_dict()}) + "\n")
+
+
+def _clean(d: dict[str, float]) -> dict[str, float | None]:
+    return {k: None if math.isnan(v) else v for k, v in d.items()}
+
+
+def _replay_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Replay a trace open-loop against a server.")
+    p.add_argument("--target", required=True, help="server base URL (gateway or vLLM)")
+    p.add_argument("--out", help="append per-request records to this JSONL")
+    add_workload_args(p)
+    return p
+
+
+def main(argv: list[str], prog: str = "sagesched replay") -> int:
+    args = _replay_parser(prog).parse_args(argv)
+    try:
+        slos = parse_slos(args.slo)
+        model = args.model or served_model(args.target)
+        loads = workloads(args, args.target, model)
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    report: dict[str, object] = {}
+    failed = 0
+    for label, reqs in loads:
+        results = run(args.target, model, reqs, timeout_s=args.timeout,
+                      progress=not args.no_progress, desc=label)  # fmt: skip
+        if args.out:
+            write_jsonl(args.out, label, args.target, results)
+        summary, errors = summarize_replay(results, slos), failures(results)
+        failed += sum(errors.values())
+        report[label] = {"summary": _clean(summary), "failures": errors}
+        if not args.json:
+            print(table(summary, errors, title=label))
+            for status, first in _first_errors(results).items():
+                print(f"  first {status} error: {first}")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    return 1 if failed else 0
+
+
+def _first_errors(results: Sequence[ReplayResult]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for r in results:
+        if not r.ok and r.status not in out:
+            out[r.status] = r.error or ""
+    return out
+
+
+def compare_main(argv: list[str], prog: str = "sagesched compare") -> int:
+    """The same workload against several targets in turn; side-by-side ratios."""
+    p = argparse.ArgumentParser(prog=prog, description="A/B the same replay across targets.")
+    p.add_argument("--target", action="append", required=True, metavar="[NAME=]URL",
+                   help="repeatable; the first is the baseline")  # fmt: skip
+    p.add_argument("--out", help="append per-request records to this JSONL")
+    add_workload_args(p)
+    args = p.parse_args(argv)
+    targets = [t.split("=", 1) if "=" in t else [t, t] for t in args.target]
+    try:
+        slos = parse_slos(args.slo)
+        model = args.model or served_model(targets[0][1])
+        loads = workloads(args, targets[0][1], model)
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    all_out: dict[str, object] = {}
+    failed = 0
+    for label, reqs in loads:
+        summaries = {}
+        for name, url in targets:
+            results = run(url, model, reqs, timeout_s=args.timeout,
+                          progress=not args.no_progress, desc=f"{name} {label}")  # fmt: skip
+            if args.out:
+                write_jsonl(args.out, label, name, results)
+            summaries[name] = summarize_replay(results, slos)
+            failed += int(summaries[name]["failed"])
+        all_out[label] = {n: _clean(s) for n, s in summaries.items()}
+        if not args.json:
+            print(f"== {label}")
+            print(comparison(summaries))
+    if args.json:
+        print(json.dumps(all_out, indent=1))
+    return 1 if failed else 0
