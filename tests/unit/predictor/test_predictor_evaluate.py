@@ -8,6 +8,7 @@ import pytest
 
 import sagesched_cli
 from policies import LengthDist
+from predictor import LengthPredictor
 from predictor.datasets import build_split, load_pairs
 from predictor.evaluate import (
     GlobalBaseline,
@@ -112,3 +113,17 @@ def test_build_split_prefers_a_full_test_set(shared_data: Path, tmp_path: Path) 
 def test_cli_rejects_unknown_config_keys(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="bad --set"):
         sagesched_cli.main(["predictor", "eval", "--train", "x", "--test", "y", "--set", "nope=1"])
+
+
+def test_warm_cli_writes_a_loadable_snapshot(tmp_path: Path) -> None:
+    src = tmp_path / "warm.jsonl"
+    rows = [{"prompt": f"Say hi to {n}.", "output_tokens": 5 + i} for i, n in enumerate("abcde")]
+    src.write_text("\n".join(json.dumps(r) for r in rows))
+    snap = tmp_path / "snap" / "history.npz"
+    rc = sagesched_cli.main(
+        ["predictor", "warm", "--from", str(src), "--out", str(snap), "--set", "capacity_items=50"]
+    )
+    assert rc == 0
+    model = LengthPredictor.load(snap)
+    assert len(model.index) == 5 and model.index.capacity == 50
+    assert model.predict("Say hi to f.").quantile(0.5) < 20
