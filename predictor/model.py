@@ -135,7 +135,7 @@ class LengthPredictor:
             dist = self._prior
         else:
             if band is not None:
-                same = np.fromiter((prompt_band(p) == band for p in prm), bool, prm.size)
+                same = np.floor(np.log2(np.maximum(prm, 1.0))) == band
                 if same.sum() >= cfg.band_min_items:
                     out = out[same]
             dist = LengthDist.from_samples(out, max_points=cfg.bucket_count)
