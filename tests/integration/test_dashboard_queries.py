@@ -178,6 +178,8 @@ async def test_dashboard_and_rules_evaluate_against_live_gateway(
     assert sent > 0
     rules = [(name, substitute(e, {})) for name, e in rule_exprs()]
     await results(prom, rules)  # every rule expression parses and evaluates
+    firing = (await prom.query("ALERTS"))["result"]  # a healthy gateway trips no alert
+    assert not firing, [a["metric"] for a in firing]
     assert {t for t, _ in panel_targets()} >= CORE_PANELS | MAY_BE_EMPTY
 
 
