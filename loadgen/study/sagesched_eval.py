@@ -118,8 +118,14 @@ def text_split(dataset: str, n_train: int, n_test: int, seed: int) -> tuple[list
 def semantic_beliefs(
     dataset: str, train: Sequence[Any], test: Sequence[Any], seed: int
 ) -> list[LengthDist]:
-    """The real predictor's distribution for every test record (cached as .npz)."""
-    path = CACHE_DIR / f"{dataset}_{len(train)}_{len(test)}_{seed}_semantic.npz"
+    """The real predictor's distribution for every test record (cached as .npz, keyed by the
+    split and the predictor's configuration)."""
+    import hashlib
+
+    from predictor.config import PredictorConfig
+
+    tag = hashlib.sha256(repr(PredictorConfig()).encode()).hexdigest()[:8]
+    path = CACHE_DIR / f"{dataset}_{len(train)}_{len(test)}_{seed}_{tag}_semantic.npz"
     if path.exists():
         data = np.load(path)
         return [
