@@ -39,7 +39,7 @@ OUTPUTS = {"short": 16, "long": 256}
 CONCURRENCY = (1, 64, 256)
 
 BACKEND = textwrap.dedent(
-    '''
+    """
     import json, sys
     from aiohttp import web
 
@@ -59,7 +59,8 @@ BACKEND = textwrap.dedent(
         for i in range(n):
             await resp.write(b"data: " + json.dumps(chunk(i)).encode() + b"\\n\\n")
         if (body.get("stream_options") or {}).get("include_usage"):
-            u = dict(USAGE, usage={"prompt_tokens": 8, "completion_tokens": n, "total_tokens": n + 8})
+            counts = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": n + 8}
+            u = dict(USAGE, usage=counts)
             await resp.write(b"data: " + json.dumps(u).encode() + b"\\n\\n")
         await resp.write(b"data: [DONE]\\n\\n")
         return resp
@@ -75,7 +76,7 @@ BACKEND = textwrap.dedent(
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
-    '''
+    """
 )
 
 NGINX = textwrap.dedent(
@@ -111,11 +112,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def process(cmd: list[str], core: int, ready_url: str, env: dict[str, str] | None = None) -> Iterator[None]:
+def process(
+    cmd: list[str], core: int, ready_url: str, env: dict[str, str] | None = None
+) -> Iterator[None]:
     """Run `cmd` pinned to `core` until the block ends; wait for `ready_url` to answer."""
     full = ["taskset", "-c", str(core), *cmd] if shutil.which("taskset") else cmd
-    proc = subprocess.Popen(full, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        full, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         wait_ready(ready_url, proc)
         yield
@@ -146,11 +150,17 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
     raise SystemExit(f"{url} never became ready")
 
 
-async def load(url: str, concurrency: int, n_tokens: int, seconds: float) -> tuple[list[float], int]:
+async def load(
+    url: str, concurrency: int, n_tokens: int, seconds: float
+) -> tuple[list[float], int]:
     """Closed loop: `concurrency` streams back to back for `seconds`. Returns TTFTs (s) and
     the number of completed requests."""
-    body = {"model": "bench", "messages": [{"role": "user", "content": "Benchmark prompt, please answer."}],
-            "max_tokens": n_tokens, "stream": True}  # fmt: skip
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": "Benchmark prompt, please answer."}],
+        "max_tokens": n_tokens,
+        "stream": True,
+    }
     ttfts: list[float] = []
     done = 0
     stop = time.monotonic() + seconds
@@ -194,52 +204,74 @@ def measure(url: str, seconds: float) -> dict[str, dict[str, float]]:
 
 
 def gateway_cmd(backend: int, port: int, policy: str) -> list[str]:
-    return [PY, "-m", "sagesched_cli", "serve", "--backend", f"http://127.0.0.1:{backend}",
-            "--max-inflight", "4096", "--max-waiting", "100000", "--policy", policy,
-            "--port", str(port), "--log-level", "WARNING"]  # fmt: skip
+    return [
+        PY,
+        "-m",
+        "sagesched_cli",
+        "serve",
+        "--backend",
+        f"http://127.0.0.1:{backend}",
+        "--max-inflight",
+        "4096",
+        "--max-waiting",
+        "100000",
+        "--policy",
+        policy,
+        "--port",
+        str(port),
+        "--log-level",
+        "WARNING",
+    ]
 
 
 def run(seconds: float) -> dict[str, dict[str, dict[str, float]]]:
     results: dict[str, dict[str, dict[str, float]]] = {}
     backend = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with tempfile.TemporaryDirectory() as tmp, process(
-        [PY, "-c", BACKEND, str(backend)], 1, f"http://127.0.0.1:{backend}/health"
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        process([PY, "-c", BACKEND, str(backend)], 1, f"http://127.0.0.1:{backend}/health"),
     ):
         results["direct"] = measure(f"http://127.0.0.1:{backend}", seconds)
         if shutil.which("nginx"):
             port = free_port()
             conf = Path(tmp) / "nginx.conf"
             conf.write_text(NGINX.format(dir=tmp, backend=backend, port=port))
-            with process(["nginx", "-c", str(conf), "-p", tmp], 0, f"http://127.0.0.1:{port}/health"):
+            with process(
+                ["nginx", "-c", str(conf), "-p", tmp], 0, f"http://127.0.0.1:{port}/health"
+            ):
                 results["nginx"] = measure(f"http://127.0.0.1:{port}", seconds)
         for policy in ("fcfs", "sagesched"):
             port = free_port()
-            with process(gateway_cmd(backend, port, policy), 0, f"http://127.0.0.1:{port}/ready", env):
+            with process(
+                gateway_cmd(backend, port, policy), 0, f"http://127.0.0.1:{port}/ready", env
+            ):
                 results[f"gateway-{policy}"] = measure(f"http://127.0.0.1:{port}", seconds)
     return results
 
 
 def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
     direct = results["direct"]
-    lines = [
-        "| path | output | streams | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | req/s | req/s vs direct |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
+    head = ("path", "output", "streams", "TTFT p50 ms", "TTFT p99 ms", "added p50 ms",
+            "added p99 ms", "req/s", "req/s vs direct")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for path, cells in results.items():
         for cell, m in cells.items():
             out, c = cell.split("/")
             d = direct[cell]
+            added50 = m["ttft_p50_ms"] - d["ttft_p50_ms"]
+            added99 = m["ttft_p99_ms"] - d["ttft_p99_ms"]
             lines.append(
                 f"| {path} | {out} | {c} | {m['ttft_p50_ms']:.2f} | {m['ttft_p99_ms']:.2f} | "
-                f"{m['ttft_p50_ms'] - d['ttft_p50_ms']:+.2f} | {m['ttft_p99_ms'] - d['ttft_p99_ms']:+.2f} | "
-                f"{m['rps']:,.0f} | {m['rps'] / d['rps']:.2f} |"
+                f"{added50:+.2f} | {added99:+.2f} | {m['rps']:,.0f} | {m['rps'] / d['rps']:.2f} |"
             )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="measurement time per cell")
     parser.add_argument("--out", type=Path, help="also write the raw numbers as JSON here")
     args = parser.parse_args()
