@@ -30,12 +30,14 @@ unit: $(STAMP)
 vllm-env: $(STAMP)
 	$(BIN)/python -m loadgen.vllm_real setup
 
-# Debian packages the tests and benchmarks run for real: Prometheus (server and promtool) and
-# nginx (the lower bound in the gateway overhead benchmark). Installed when missing (root).
+# Debian packages the tests and benchmarks run for real: Prometheus (server and promtool),
+# docker-compose (parses the compose files offline) and nginx (the lower bound in the gateway
+# overhead benchmark). Installed when missing (root).
+SYSTEM_TOOLS := prometheus promtool nginx docker-compose
 system-deps:
-	@if command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v nginx >/dev/null; then :; \
+	@if for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || exit 1; done; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus nginx-light; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus nginx-light docker-compose; \
 	else echo "please install the Debian packages prometheus and nginx-light"; exit 1; fi
 
 test: lint typecheck system-deps vllm-env unit

@@ -54,8 +54,12 @@ async def long_running(gw: RunningGateway, session: aiohttp.ClientSession) -> as
 async def test_queue_full_gets_429_with_retry_after(
     start_emulator: StartEmulator, start_gateway: StartGateway
 ) -> None:
-    gw = await start_gateway([{"url": await start_emulator(), "max_inflight": 1}], policy="fcfs",
-                             max_waiting=2, retry_after_s=7)  # fmt: skip
+    gw = await start_gateway(
+        [{"url": await start_emulator(), "max_inflight": 1}],
+        policy="fcfs",
+        max_waiting=2,
+        retry_after_s=7,
+    )
     async with aiohttp.ClientSession() as s:
         running = await long_running(gw, s)
         waiting = [asyncio.create_task(send(s, gw.url, chat(5))) for _ in range(2)]
@@ -76,8 +80,9 @@ async def test_queue_full_gets_429_with_retry_after(
 async def test_queue_timeout_gets_503(
     start_emulator: StartEmulator, start_gateway: StartGateway
 ) -> None:
-    gw = await start_gateway([{"url": await start_emulator(), "max_inflight": 1}], policy="fcfs",
-                             queue_timeout_s=0.3)  # fmt: skip
+    gw = await start_gateway(
+        [{"url": await start_emulator(), "max_inflight": 1}], policy="fcfs", queue_timeout_s=0.3
+    )
     async with aiohttp.ClientSession() as s:
         running = await long_running(gw, s)
         t0 = time.monotonic()
@@ -194,8 +199,11 @@ async def test_chaos_every_request_ends_in_exactly_one_counted_state(
     flaky.set_mode("ok", "status_500", "ok", "die_mid_stream", "reset_before_headers", "ok")
     gw = await start_gateway(
         [{"url": emu, "max_inflight": 3}, {"url": flaky.url, "max_inflight": 2}],
-        policy="sagesched", max_waiting=30, queue_timeout_s=2.5, max_retries=1,
-    )  # fmt: skip
+        policy="sagesched",
+        max_waiting=30,
+        queue_timeout_s=2.5,
+        max_retries=1,
+    )
     n = 80
 
     async def one(i: int, s: aiohttp.ClientSession) -> None:
