@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine (see README): `make test` and, later, `make demo`.
+# Two entry points for a fresh machine (see README): `make test` and `make demo`.
 # Everything installs into .venv; torch comes first as the CPU build so that
 # sentence-transformers does not pull a CUDA wheel.
 PYTHON ?= python3
@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck unit bench-policies clean vllm-env system-deps
+.PHONY: test demo lint typecheck unit bench-policies clean vllm-env system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ system-deps:
 	else echo "please install the Debian packages prometheus and nginx-light"; exit 1; fi
 
 test: lint typecheck system-deps vllm-env unit
+
+# FCFS vs SageSched through the gateway on an emulated backend (no GPU, no network, < 3 min).
+demo: $(STAMP)
+	$(BIN)/sagesched demo
 
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policy_core.py
