@@ -87,12 +87,13 @@ def bench_embedding(model: LengthPredictor, long_texts: list[str]) -> list[str]:
     for label, texts in (("short prompt", short), ("ShareGPT prompt, clipped", long_texts[:64])):
         clipped = [model.text(t) for t in texts]
         model.embedder.encode(clipped[:8])  # warm-up
-        for batch in (1, 8, 64):
+        for batch, passes in ((1, 1), (8, 8), (64, 64), (64, model.embedder.encode_batch_items)):
             t = time.perf_counter()
             for start in range(0, len(clipped), batch):
-                model.embedder.encode(clipped[start : start + batch], batch_size=batch)
+                model.embedder.encode(clipped[start : start + batch], batch_size=passes)
             per = (time.perf_counter() - t) * 1e3 / len(clipped)
-            rows.append(f"| embedding, {label} | batch {batch} | {per:.1f} ms/prompt | |")
+            case = f"batch {batch}" + (f" (sorted, passes of {passes})" if passes != batch else "")
+            rows.append(f"| embedding, {label} | {case} | {per:.1f} ms/prompt | |")
     return rows
 
 
@@ -131,7 +132,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     cfg = PredictorConfig()
-    embedder = Embedder()
+    embedder = Embedder(torch_threads=cfg.torch_threads, encode_batch_items=cfg.encode_batch_items)
     parts = set(args.parts.split(","))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"device {embedder.device}; load average at start {load}; config {cfg.to_dict()}\n")

@@ -72,11 +72,23 @@ class PredictorConfig:
     max_batch_items: int = 64
     """Most prompts the async embedder encodes in one model call."""
 
+    encode_batch_items: int = 16
+    """Rows per model forward pass. A micro-batch is sorted by length and cut into chunks of
+    this size, so short prompts are not padded to the longest one; on ShareGPT prompts 4–16
+    cost ~31 ms/prompt on a loaded 2-core CPU, 64 cost ~62 ms."""
+
     max_wait_ms: float = 2.0
     """How long the async embedder waits for more requests after the first one of a batch."""
 
     max_pending_items: int = 4_096
     """Bound of the async embedder's queue; protects memory when the model falls behind."""
+
+    torch_threads: int = 1
+    """torch intra-op threads for a CPU embedder (process-wide: `torch.set_num_threads`); 0
+    leaves torch's default (one per core). One is the default because the gateway shares the
+    CPU with its event loop and other processes, and torch's threads wait for each other when
+    a core is taken away: on this 2-core box under load, batch-1 embedding took ~15 ms with one
+    thread and ~200 ms with two (docs/benchmarks.md, "Predictor")."""
 
     device: str | None = None
     """Torch device for the embedder; None picks "cuda" when available, else "cpu"."""
@@ -97,6 +109,7 @@ class PredictorConfig:
             "hnsw_ef_search",
             "embed_max_chars",
             "max_batch_items",
+            "encode_batch_items",
             "max_pending_items",
             "band_min_items",
         ]
@@ -105,6 +118,8 @@ class PredictorConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not -1.0 <= self.similarity_floor <= 1.0:
             raise ValueError("similarity_floor must be in [-1, 1]")
+        if self.torch_threads < 0:
+            raise ValueError("torch_threads must be >= 0")
         if self.prompt_length_scale_log < 0:
             raise ValueError("prompt_length_scale_log must be >= 0")
         if self.similarity_temperature <= 0:

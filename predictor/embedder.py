@@ -98,12 +98,23 @@ class Embedder:
     torch and sentence-transformers in a process).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, device: str | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        device: str | None = None,
+        torch_threads: int = 0,
+        encode_batch_items: int = 16,
+    ) -> None:
+        """`torch_threads` > 0 sets torch's intra-op threads (process-wide) on the CPU;
+        `encode_batch_items` is the default forward-pass size of `encode`."""
         folder = model_path(path)
         force_offline()
+        import torch
         from sentence_transformers import SentenceTransformer
 
         self.device = device or default_device()
+        if torch_threads > 0 and self.device == "cpu":
+            torch.set_num_threads(torch_threads)
         self._lock = threading.Lock()
         try:
             self._model = SentenceTransformer(str(folder), device=self.device)
@@ -114,18 +125,21 @@ class Embedder:
             raise ModelNotFoundError(f"{folder} does not declare an embedding dimension")
         self.dim = int(dim)
         self.path = folder
+        self.encode_batch_items = encode_batch_items
         self.tokenizer: Any = self._model.tokenizer
         """The model's BERT word-piece tokenizer (transformers); thread-safe for reads."""
 
-    def encode(self, texts: Sequence[str], batch_size: int = 64) -> Embeddings:
+    def encode(self, texts: Sequence[str], batch_size: int | None = None) -> Embeddings:
         """Embed `texts` (already clipped, see `predictor.text`); shape (len(texts), dim).
-        Blocking (milliseconds per text): call it from a worker thread, not the event loop."""
+        sentence-transformers sorts them by length and runs forward passes of `batch_size`
+        (default `encode_batch_items`) rows. Blocking (milliseconds per text): call it from a
+        worker thread, not the event loop."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         with self._lock:
             out = self._model.encode(
                 list(texts),
-                batch_size=batch_size,
+                batch_size=batch_size or self.encode_batch_items,
                 normalize_embeddings=True,
                 convert_to_numpy=True,
                 show_progress_bar=False,

@@ -82,7 +82,11 @@ class LengthPredictor:
         index: HistoryIndex | None = None,
     ) -> None:
         self.config = cfg = config or PredictorConfig()
-        self.embedder = embedder or Embedder(device=cfg.device)
+        self.embedder = embedder or Embedder(
+            device=cfg.device,
+            torch_threads=cfg.torch_threads,
+            encode_batch_items=cfg.encode_batch_items,
+        )
         if index is None:
             index = HistoryIndex(
                 self.embedder.dim,
@@ -105,7 +109,7 @@ class LengthPredictor:
         """The clipped text that is embedded for `prompt`."""
         return clip_text(prompt, self.config.embed_max_chars, self.config.embed_head_fraction)
 
-    def embed(self, prompts: Sequence[str], batch_size: int = 64) -> Embeddings:
+    def embed(self, prompts: Sequence[str], batch_size: int | None = None) -> Embeddings:
         """Embeddings of many prompts (blocking; batch for throughput)."""
         return self.embedder.encode([self.text(p) for p in prompts], batch_size=batch_size)
 
@@ -213,7 +217,7 @@ class LengthPredictor:
         prompts: Sequence[str],
         output_tokens: Sequence[int],
         prompt_tokens: Sequence[int] | None = None,
-        batch_size: int = 64,
+        batch_size: int | None = None,
     ) -> None:
         """Learn many completed requests at once (embedding batched)."""
         if prompt_tokens is None:
@@ -263,7 +267,11 @@ class LengthPredictor:
         always the snapshot's. Raises `SnapshotError` on a mismatched embedding dimension."""
         if config is None:
             config = PredictorConfig.from_dict(read_header(path)["extra"]["config"])
-        embedder = embedder or Embedder(device=config.device)
+        embedder = embedder or Embedder(
+            device=config.device,
+            torch_threads=config.torch_threads,
+            encode_batch_items=config.encode_batch_items,
+        )
         index, _ = HistoryIndex.load(path, dim=embedder.dim, ef_search=config.hnsw_ef_search)
         return cls(config, embedder=embedder, index=index)
 

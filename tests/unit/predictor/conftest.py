@@ -12,8 +12,8 @@ from predictor.datasets import SHAREGPT_FILE, shared_data_dir
 
 @pytest.fixture(scope="session")
 def embedder() -> Embedder:
-    """The real bundled model on the CPU (loads in well under a second after torch)."""
-    return Embedder(device="cpu")
+    """The real bundled model on the CPU, one torch thread (the production default)."""
+    return Embedder(device="cpu", torch_threads=1)
 
 
 @pytest.fixture

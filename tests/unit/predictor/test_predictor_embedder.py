@@ -87,3 +87,9 @@ async def test_cancelled_caller_does_not_break_the_batch(embedder: Embedder) -> 
         vec = await kept
         assert vec.shape == (embedder.dim,)
         assert doomed.cancelled()
+
+
+def test_torch_threads_setting_applies(embedder: Embedder) -> None:
+    import torch
+
+    assert torch.get_num_threads() == 1  # the fixture asked for one intra-op thread
