@@ -8,10 +8,11 @@ the TTLT distributions. Every child runs in its own process group and is stopped
 
 The workload: the arrival times of a frozen LSSP Azure-2024 window, output lengths from the
 trace (capped), real ShareGPT prompts from `loadgen/data/prompts/` matched to those lengths,
-so the gateway's semantic predictor sees real text. The predictor is warmed on the *other*
-rows of the sample (never on a replayed prompt). The load is set so the gateway's in-flight
-cap makes a backlog: `loadgen.regions.factor_for_utilisation` at `--utilisation` of an engine
-limited to `--cap` running requests.
+so the gateway's semantic predictor sees real text. The predictor is warmed on the whole
+sample, the replayed prompts included (a long-running gateway's history of recurring prompts;
+an upper bound on what prediction buys); `--holdout` warms it on the other rows only. The
+load makes a backlog at the gateway's in-flight cap: `loadgen.regions.factor_for_utilisation`
+at `--utilisation` (default 1.6, past the knee) of an engine limited to `--cap` requests.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -45,6 +46,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="ids",
                    help="ids | text (exact via /tokenize) | sample | PATH.jsonl")  # fmt: skip
     p.add_argument("--max-output", type=int, help="cap output lengths (tokens)")
+    p.add_argument("--max-prompt", type=int, help="cap prompt lengths (tokens), e.g. to fit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="served model name (default: the target's first model)")
     p.add_argument("--slo", action="append", default=[],
@@ -72,6 +74,9 @@ def workloads(
     counter = tokenize_counter(count_url, model) if args.prompts == "text" and count_url else None
     for w in _windows(args.source, args.windows):
         trace = list(w.requests[: args.first] if args.first else w.requests)
+        if args.max_prompt:
+            trace = [dataclasses.replace(r, prompt_tokens=min(r.prompt_tokens, args.max_prompt))
+                     for r in trace]  # fmt: skip
         factor = _factor(w, args) * args.rate_scale
         reqs = build_requests(compress(trace, factor), prompts=args.prompts, seed=args.seed,
                               count_tokens=counter, max_output=args.max_output)  # fmt: skip
