@@ -66,6 +66,8 @@ def write_warm_set(requests: Sequence[ReplayRequest], path: Path, holdout: bool)
 
 def gateway_config(path: Path, port: int, backend: str, policy: str, cap: int,
                    warm: Path | None) -> Path:  # fmt: skip
+    """A `sagesched serve --config` file: one backend at in-flight cap `cap`, the predictor
+    (if the policy needs one) warm-started from the JSONL `warm` (may be gzipped)."""
     import yaml
 
     cfg: dict[str, object] = {

@@ -45,6 +45,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
     p.add_argument("--prompts", default="ids",
                    help="ids | text (exact via /tokenize) | sample | PATH.jsonl")  # fmt: skip
+    p.add_argument("--pad-prompts", action="store_true",
+                   help="pad real prompts to the trace's length (needs /tokenize)")  # fmt: skip
     p.add_argument("--max-output", type=int, help="cap output lengths (tokens)")
     p.add_argument("--max-prompt", type=int, help="cap prompt lengths (tokens), e.g. to fit")
     p.add_argument("--seed", type=int, default=0)
@@ -71,7 +73,8 @@ def workloads(
 
     args.utilisation = None  # the simulator's load flags that replay does not offer
     out = []
-    counter = tokenize_counter(count_url, model) if args.prompts == "text" and count_url else None
+    wants_count = args.prompts == "text" or args.pad_prompts
+    counter = tokenize_counter(count_url, model) if wants_count and count_url else None
     for w in _windows(args.source, args.windows):
         trace = list(w.requests[: args.first] if args.first else w.requests)
         if args.max_prompt:
@@ -79,7 +82,8 @@ def workloads(
                      for r in trace]  # fmt: skip
         factor = _factor(w, args) * args.rate_scale
         reqs = build_requests(compress(trace, factor), prompts=args.prompts, seed=args.seed,
-                              count_tokens=counter, max_output=args.max_output)  # fmt: skip
+                              count_tokens=counter, max_output=args.max_output,
+                              pad=args.pad_prompts)  # fmt: skip
         out.append((f"{w.source}/{w.window_id}@x{factor:.3g}", reqs))
     if not out:
         raise ValueError(f"no windows selected from {args.source}")

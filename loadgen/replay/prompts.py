@@ -97,28 +97,30 @@ def token_ids(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(1000, 30000) for _ in range(n)]
 
 
-def exact_text(n_tokens: int, count: Callable[[str], int]) -> str | None:
-    """Filler text that `count` (the server's tokenizer) measures at exactly `n_tokens`, or
-    None if it cannot be hit. Binary search on the number of filler words (at least one token
-    each) for the longest text within `n_tokens`, then pad with one-token words ("a")."""
+def exact_text(n_tokens: int, count: Callable[[str], int], prefix: str = "") -> str | None:
+    """`prefix` followed by filler text, measured by `count` (the server's tokenizer) at
+    exactly `n_tokens`, or None if it cannot be hit. Binary search on the number of filler
+    words (at least one token each) for the longest text within `n_tokens`, then pad with
+    one-token words ("a")."""
 
-    def words(k: int) -> str:
-        return " ".join(FILLER[i % len(FILLER)] for i in range(k))
+    def text(k: int) -> str:
+        body = " ".join(FILLER[i % len(FILLER)] for i in range(k))
+        return f"{prefix} {body}" if prefix and body else prefix or body
 
-    lo, hi = 0, max(1, n_tokens)  # count(words(lo)) <= n_tokens unless lo == 0
+    lo, hi = 0, max(1, n_tokens)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if count(words(mid)) <= n_tokens:
+        if count(text(mid)) <= n_tokens:
             lo = mid
         else:
             hi = mid - 1
-    if lo == 0:
+    if lo == 0 and not prefix:
         return None
-    text = words(lo)
-    missing = n_tokens - count(text)
-    if missing:
-        text += " a" * missing
-    return text if count(text) == n_tokens else None
+    out = text(lo)
+    missing = n_tokens - count(out)
+    if missing > 0:
+        out += " a" * missing
+    return out if count(out) == n_tokens else None
 
 
 def match_prompts(
@@ -152,10 +154,13 @@ def build_requests(
     seed: int = 0,
     count_tokens: Callable[[str], int] | None = None,
     max_output: int | None = None,
+    pad: bool = False,
 ) -> list[ReplayRequest]:
     """Replay requests for `trace` (arrivals, deadlines and output lengths kept; output capped
     at `max_output`). `prompts`: `ids`, `text` (needs `count_tokens`, else ids), `sample` or a
-    JSONL path."""
+    JSONL path. With `pad` and `count_tokens`, a real prompt shorter than the trace's prompt
+    is padded with filler words to the trace's exact length (the text the predictor reads
+    comes first; the engine sees the trace's prefill work)."""
     rng = random.Random(seed)
     outs = [r.output_tokens if max_output is None else min(r.output_tokens, max_output)
             for r in trace]  # fmt: skip
@@ -173,6 +178,16 @@ def build_requests(
             reqs.append(ReplayRequest(r.arrival_s, body, r.prompt_tokens, o, r.deadline_s))
         return reqs
     rows = match_prompts(outs, load_prompt_rows(prompts), seed)
+    if pad and count_tokens is not None:
+        out = []
+        for r, o, row in zip(trace, outs, rows, strict=True):
+            padded = exact_text(r.prompt_tokens, count_tokens, prefix=row.prompt)
+            if padded is None:  # the real prompt alone is longer: send it as it is
+                out.append(ReplayRequest(r.arrival_s, row.prompt, count_tokens(row.prompt), o,
+                                         r.deadline_s))  # fmt: skip
+            else:
+                out.append(ReplayRequest(r.arrival_s, padded, r.prompt_tokens, o, r.deadline_s))
+        return out
     return [
         ReplayRequest(r.arrival_s, row.prompt, row.prompt_tokens or r.prompt_tokens, o,
                       r.deadline_s)

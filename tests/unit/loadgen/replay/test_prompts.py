@@ -79,3 +79,14 @@ def test_dataset_requests_use_the_rows_lengths() -> None:
     reqs = dataset_requests(20, 5.0, max_output=50, seed=random.Random(1).randrange(9))
     rows = {r.prompt: r.output_tokens for r in load_prompt_rows()}
     assert all(r.output_tokens == min(rows[str(r.prompt)], 50) for r in reqs)
+
+
+def test_pad_real_prompts_to_the_trace_length() -> None:
+    trace = [TraceRequest(0.0, 600, 20, "t"), TraceRequest(1.0, 2, 20, "t")]
+    reqs = build_requests(trace, prompts="sample", count_tokens=fake_tokenizer, pad=True)
+    long, short = reqs
+    assert isinstance(long.prompt, str) and fake_tokenizer(long.prompt) == 600
+    assert long.prompt_tokens == 600
+    row = {r.output_tokens: r.prompt for r in load_prompt_rows()}
+    assert any(long.prompt.startswith(p) for p in row.values())  # the real text comes first
+    assert isinstance(short.prompt, str) and short.prompt_tokens == fake_tokenizer(short.prompt)
