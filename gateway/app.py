@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +33,9 @@ from gateway.errors import (
     Unauthorized,
 )
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
-from gateway.openai_api import Kind, parse_body, parse_call
+from gateway.openai_api import Call, Kind, parse_body, parse_call
 from gateway.relay import Relay
-from policies import LengthDist, parse_policy
+from policies import Job, parse_policy
 
 if TYPE_CHECKING:
     from predictor import LengthPredictor
@@ -57,7 +57,8 @@ class GatewayState:
     dispatcher: Dispatcher
     relay: Relay
     predictor: LengthPredictor | None
-    learning: set[asyncio.Task[None]] = field(default_factory=set)
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+    """Predictor work running beside requests (refinements, learning); bounded."""
 
 
 STATE = web.AppKey("sagesched_state", GatewayState)
@@ -137,7 +138,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         if saver is not None:
             saver.cancel()
         await pool.stop()
-        await asyncio.gather(*state.learning, return_exceptions=True)
+        await asyncio.gather(*state.background, return_exceptions=True)
         await _stop_predictor(app, state)
         await session.close()
 
@@ -184,8 +185,8 @@ async def _serve(
     if not state.pool.serves(call.model):
         raise ModelNotFound(f"the model '{call.model}' does not exist", param="model")
     trace.model = call.model
-    dist = await _predict(state, call.body, call.prompt_tokens_estimate, call.max_tokens, trace)
-    job = state.dispatcher.new_job(call, trace, dist)
+    job = state.dispatcher.new_job(call, trace, None)
+    await _predict(state, job, call.body)
     response = await state.relay.serve(request, job)
     if (
         trace.outcome is Outcome.COMPLETED
@@ -196,46 +197,70 @@ async def _serve(
     return response
 
 
-async def _predict(
-    state: GatewayState,
-    body: dict[str, Any],
-    prompt_tokens: int,
-    max_tokens: int | None,
-    trace: RequestTrace,
-) -> LengthDist | None:
-    if state.predictor is None:
-        return None
+async def _predict(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
+    """Give `job` its predicted length distribution.
+
+    When the job would start at once (nothing of its model waiting, a backend free), the
+    prediction cannot change any decision yet, so the job starts on the recent global
+    distribution and the semantic prediction runs beside it (it still feeds the running key,
+    the admin view and the prediction-error metric): an idle gateway adds no embedding time to
+    TTFT. Otherwise the prediction orders the queue, so the job waits for it.
+    """
+    predictor = state.predictor
+    if predictor is None:
+        return
+    call: Call = job.ctx.call
+    if state.dispatcher.can_start_now(call.model):
+        dist = predictor.global_dist(call.prompt_tokens_estimate)
+        job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
+        _background(state, _refine(state, job, body))
+        return
+    await _refine(state, job, body)
+
+
+async def _refine(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     from predictor import request_text
 
+    assert state.predictor is not None
+    call: Call = job.ctx.call
+    trace: RequestTrace = job.ctx.trace
     start = time.monotonic()
     dist = await state.predictor.predict_async(
-        request_text(body), prompt_tokens=prompt_tokens, max_tokens=max_tokens
+        request_text(body), prompt_tokens=call.prompt_tokens_estimate, max_tokens=call.max_tokens
     )
     trace.predictor_s = time.monotonic() - start
     trace.predicted_median = dist.quantile(0.5)
-    return dist
+    job.dist = dist
 
 
 def _learn(
     state: GatewayState, body: dict[str, Any], output_tokens: int, prompt_tokens: int
 ) -> None:
-    """Teach the predictor the true length, in the background (bounded)."""
-    if state.predictor is None or len(state.learning) >= MAX_PENDING_OBSERVATIONS:
+    """Teach the predictor the true length, in the background."""
+    if state.predictor is None:
         return
     from predictor import request_text
 
-    task = asyncio.create_task(
-        state.predictor.observe_async(request_text(body), output_tokens, prompt_tokens)
-    )
-    state.learning.add(task)
+    text = request_text(body)
+    _background(state, state.predictor.observe_async(text, output_tokens, prompt_tokens))
+
+
+def _background(state: GatewayState, work: Coroutine[Any, Any, None]) -> None:
+    """Run predictor work beside the request; bounded, so a predictor that falls behind the
+    traffic sheds work instead of growing memory."""
+    if len(state.background) >= MAX_PENDING_OBSERVATIONS:
+        work.close()
+        return
+    task = asyncio.create_task(work)
+    state.background.add(task)
     task.add_done_callback(_forget(state))
 
 
 def _forget(state: GatewayState) -> Callable[[asyncio.Task[None]], None]:
     def done(task: asyncio.Task[None]) -> None:
-        state.learning.discard(task)
+        state.background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("predictor failed to learn a completion: %r", task.exception())
+            log.warning("background predictor work failed: %r", task.exception())
 
     return done
 

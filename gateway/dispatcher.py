@@ -76,6 +76,12 @@ class Dispatcher:
     def waiting(self) -> int:
         return sum(len(s.queue) for s in self._schedulers.values())
 
+    def can_start_now(self, model: str) -> bool:
+        """Would a job for `model` be dispatched the moment it is admitted (nothing of that
+        model waiting, and a backend with room)?"""
+        sched = self._schedulers.get(model)
+        return (sched is None or not sched.queue) and self._pool.pick(model) is not None
+
     def scheduler(self, model: str) -> Scheduler:
         sched = self._schedulers.get(model)
         if sched is None:

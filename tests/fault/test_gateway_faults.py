@@ -226,7 +226,7 @@ async def test_chaos_every_request_ends_in_exactly_one_counted_state(
             state.dispatcher.waiting() == 0 and all(b.inflight == 0 for b in state.pool.backends)
         )
     )
-    await until(lambda: not state.learning)
+    await until(lambda: not state.background)
     samples = await scrape(gw.url + "/metrics")
     counted = total(samples, "sagesched_requests_total")
     outcomes = {ls: v for (name, ls), v in samples.items() if name == "sagesched_requests_total"}
