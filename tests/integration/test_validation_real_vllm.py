@@ -12,6 +12,7 @@ written to `.cache/validation.json` and recorded in docs/validation.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -22,11 +23,18 @@ import pytest
 from loadgen.demo.procs import Children, free_port, sagesched
 from loadgen.demo.run import ONE_THREAD, gateway_config, write_warm_set
 from loadgen.replay.cli import run
+from loadgen.replay.client import ReplayRequest
 from loadgen.replay.prompts import build_requests, synthetic_window, tokenize_counter
 from loadgen.replay.validation import measured_gain, simulated_gain, window_trace
 from loadgen.vllm_real import CACHE, RealVllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def tagged(reqs: list[ReplayRequest], tag: str) -> list[ReplayRequest]:
+    """The requests with `tag` in front of each prompt (one more token or two)."""
+    return [dataclasses.replace(r, prompt=f"{tag} {r.prompt}") for r in reqs]
+
 
 CAP = 4
 WINDOW = {"source": "lssp-azure2024", "window": 0, "n": 80, "max_prompt": 1800,
@@ -44,7 +52,10 @@ def test_gateway_sagesched_beats_vllm_alone(real_vllm: RealVllm, tmp_path: Path)
     warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
     run(real_vllm.url, real_vllm.name, warm, progress=False)
     load = os.getloadavg()[0]
-    direct = run(real_vllm.url, real_vllm.name, reqs, progress=False)
+    # Direct, gateway, direct again (the machine's speed drifts with the other load; the
+    # gateway is compared with both direct runs together). Each run's prompts start with their
+    # own tag, so vLLM's prefix cache never serves one run's prefill from an earlier run's.
+    direct = run(real_vllm.url, real_vllm.name, tagged(reqs, "alpha"), progress=False)
     with Children(tmp_path) as children:
         port = free_port()
         warm_set = tmp_path / "warm.jsonl"
@@ -53,7 +64,9 @@ def test_gateway_sagesched_beats_vllm_alone(real_vllm: RealVllm, tmp_path: Path)
                              warm_set)  # fmt: skip
         children.start("gateway", sagesched("serve", "--config", str(cfg)),
                        f"http://127.0.0.1:{port}/ready", 240, env=ONE_THREAD)  # fmt: skip
-        via = run(f"http://127.0.0.1:{port}", real_vllm.name, reqs, progress=False)
+        via = run(f"http://127.0.0.1:{port}", real_vllm.name, tagged(reqs, "beta"),
+                  progress=False)  # fmt: skip
+    direct += run(real_vllm.url, real_vllm.name, tagged(reqs, "gamma"), progress=False)
     measured = measured_gain(direct, via)
     simulated = simulated_gain(reqs, "cpu-tiny-vllm", CAP)
     result = {
