@@ -4,8 +4,8 @@ gateway with SageSched (slow; one real server per session).
 The window (LSSP Azure-2024 window 0, first 80 requests, prompts capped at 1,800 tokens and
 outputs at 128) is replayed with real ShareGPT prompts padded to the trace's prompt lengths
 (exact, through vLLM's /tokenize), at load factor 1.0 (80 requests in 3.75 s), so a backlog
-forms. The gateway runs in its own process with an in-flight cap of 4 and its predictor
-warmed on the shipped sample. The
+forms: straight at vLLM, through the gateway (its own process, SageSched, in-flight cap 4,
+predictor warmed on the shipped sample), and straight at vLLM again. The
 measured ratio and the simulator's prediction for the same requests (`cpu-tiny-vllm`) are
 written to `.cache/validation.json` and recorded in docs/validation.md.
 """

@@ -1,0 +1,138 @@
+"""Validate SageSched on your own vLLM server (GPU), end to end, given its URL.
+
+For each selected trace window at the chosen load region this script
+1. replays the window straight at the server (vLLM's own FCFS scheduling);
+2. starts the gateway locally (`sagesched serve`, in its own process group) with FCFS and then
+   with SageSched, both with the same in-flight cap, and replays the same window through each;
+3. runs the simulator on exactly the requests that were sent (direct vLLM, gateway FCFS,
+   gateway SageSched) with the latency profile you name;
+4. prints measured and simulated mean-TTLT ratios side by side and writes everything to
+   `--out` (JSON summary + per-request JSONL).
+
+See docs/hardware-validation.md for the procedure. Example:
+
+    .venv/bin/python bench/hardware_validation.py --url http://gpu-host:8000 \\
+        --source lssp-azure2024 --windows 3 --region KNEE --cap 32 --profile h200-llama3-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from loadgen.demo.procs import Children, free_port, sagesched
+from loadgen.demo.run import gateway_config, write_warm_set
+from loadgen.engine.configs import engine_config
+from loadgen.engine.profiles import profile_names
+from loadgen.metrics import summarize
+from loadgen.regions import REGIONS, compress, region_factor
+from loadgen.replay.cli import run, served_model, write_jsonl
+from loadgen.replay.client import ReplayRequest, ReplayResult
+from loadgen.replay.prompts import build_requests, tokenize_counter
+from loadgen.replay.report import comparison, summarize_replay
+from loadgen.schema import TraceRequest
+from loadgen.sim.cli import _windows
+from loadgen.sim.simulator import Contender, simulate
+from policies.registry import parse_policy
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True, help="the vLLM server's base URL")
+    p.add_argument("--model", help="served model (default: the server's first)")
+    p.add_argument("--source", default="lssp-azure2024")
+    p.add_argument("--windows", default="3", help="'all', a count N or ids a,b")
+    p.add_argument("--region", default="KNEE", choices=list(REGIONS))
+    p.add_argument("--rate-scale", type=float, default=1.0, help="extra factor on the load")
+    p.add_argument("--first", type=int, help="only the first N requests of each window")
+    p.add_argument("--cap", type=int, default=32, help="gateway in-flight cap per backend")
+    p.add_argument("--max-model-len", type=int, default=8192, help="the server's limit")
+    p.add_argument("--max-output", type=int, help="cap output lengths (tokens)")
+    p.add_argument("--profile", default="h200-llama3-8b", choices=profile_names())
+    p.add_argument("--engine", default="vllm-chunked-prefill", help="simulated engine config")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the server's --max-num-seqs")
+    p.add_argument("--policies", default="fcfs,sagesched", help="gateway policies to run")
+    p.add_argument("--out", default="hardware-validation", help="output folder")
+    return p
+
+
+def requests_for(trace: list[TraceRequest], url: str, model: str, args: argparse.Namespace
+                 ) -> list[ReplayRequest]:  # fmt: skip
+    """Real prompts padded to the trace's lengths where /tokenize exists, else token ids."""
+    out_cap = args.max_output or args.max_model_len
+    trace = [
+        dataclasses.replace(r, output_tokens=min(r.output_tokens, out_cap),
+                            prompt_tokens=min(r.prompt_tokens, args.max_model_len - out_cap - 8))
+        for r in trace
+    ]  # fmt: skip
+    count = tokenize_counter(url, model)
+    if count is None:
+        print("no /tokenize: token-id prompts (the gateway's predictor sees no text)")
+        return build_requests(trace, prompts="ids")
+    return build_requests(trace, prompts="sample", count_tokens=count, pad=True)
+
+
+def simulated(reqs: list[ReplayRequest], args: argparse.Namespace) -> dict[str, float]:
+    eng = engine_config(args.engine).with_(max_seqs=args.max_num_seqs)
+    trace = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, "replay") for r in reqs]
+    out = {}
+    runs = [("direct", "fcfs", None)] + [(f"gateway-{p}", p, args.cap) for p in _policies(args)]
+    for name, policy, cap in runs:
+        res = simulate(trace, Contender(name, parse_policy(policy), eng, cap), args.profile)
+        out[name] = summarize(res.records)["ttlt_s_mean"]
+    return out
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
+    return [p.strip() for p in args.policies.split(",") if p.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = args.model or served_model(args.url)
+    report: dict[str, Any] = {"args": vars(args), "windows": {}}
+    for w in _windows(args.source, args.windows):
+        trace = list(w.requests[: args.first] if args.first else w.requests)
+        factor = region_factor(w, args.region) * args.rate_scale
+        reqs = requests_for(compress(trace, factor), args.url, model, args)
+        label = f"{w.source}/{w.window_id}@{args.region}"
+        results: dict[str, list[ReplayResult]] = {}
+        results["direct"] = run(args.url, model, reqs, desc=f"direct {label}")
+        with tempfile.TemporaryDirectory() as tmp, Children(Path(tmp)) as children:
+            warm = Path(tmp) / "warm.jsonl"
+            write_warm_set([], warm, holdout=False)
+            for policy in _policies(args):
+                port = free_port()
+                cfg = gateway_config(Path(tmp) / f"{policy}.yaml", port, args.url, policy,
+                                     args.cap, warm)  # fmt: skip
+                gw = children.start(f"gateway-{policy}", sagesched("serve", "--config", str(cfg)),
+                                    f"http://127.0.0.1:{port}/ready", 300)  # fmt: skip
+                url = f"http://127.0.0.1:{port}"
+                results[f"gateway-{policy}"] = run(url, model, reqs, desc=f"{policy} {label}")
+                children.stop(gw)
+        for name, rs in results.items():
+            write_jsonl(str(out_dir / "requests.jsonl"), label, name, rs)
+        summaries = {n: summarize_replay(rs) for n, rs in results.items()}
+        sim = simulated(reqs, args)
+        print(f"\n== {label} (load factor {factor:.3g}, {len(reqs)} requests)")
+        print(comparison(summaries))
+        print(f"{'mean TTLT ratio':<28}{'measured':>10}{'simulated':>11}")
+        for name in summaries:
+            m = summaries[name]["e2el_s_mean"] / summaries["direct"]["e2el_s_mean"]
+            s = sim[name] / sim["direct"]
+            print(f"{name + ' / direct':<28}{m:>10.3f}{s:>11.3f}")
+        report["windows"][label] = {"factor": factor, "measured": summaries, "simulated": sim}
+    (out_dir / "summary.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nwritten: {out_dir}/summary.json, {out_dir}/requests.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
