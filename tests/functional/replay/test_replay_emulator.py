@@ -97,3 +97,33 @@ async def test_unroutable_target_fails_fast() -> None:
     results = await replay(f"http://127.0.0.1:{port}", "m", _requests(5, 50.0))
     assert time.perf_counter() - t0 < 5
     assert {r.status for r in results} == {"connection"}
+
+
+@pytest.mark.slow
+def test_sigkilled_target_process_ends_with_error_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`sagesched replay` against an emulator process that is SIGKILLed mid-replay: the
+    command returns 1 within seconds and prints the failures by status."""
+    import os
+    import signal
+    import threading
+
+    from loadgen.replay.cli import main as replay_main
+
+    port = free_port()
+    with Children(tmp_path) as children:
+        proc = children.start("emulator", sagesched("emulate", "--port", str(port)),
+                              f"http://127.0.0.1:{port}/health", timeout_s=60)  # fmt: skip
+        threading.Timer(2.0, os.kill, (proc.pid, signal.SIGKILL)).start()
+        t0 = time.perf_counter()
+        argv = ["--target", f"http://127.0.0.1:{port}", "--dataset", "sample", "--num-prompts",
+                "60", "--request-rate", "10", "--max-output", "300", "--no-progress"]  # fmt: skip
+        code = replay_main(argv)
+        elapsed = time.perf_counter() - t0
+    out = capsys.readouterr().out
+    print(out, f"\nreplay returned {code} after {elapsed:.1f} s")
+    assert code == 1
+    assert elapsed < 20
+    assert "connection:" in out and "first connection error:" in out
+    assert "WARNING:" in out and "failed" in out
