@@ -32,10 +32,14 @@ import json
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from loadgen.engine.profiles import CpuTinyCoefficients
 
 DEFAULT_OUT = Path(__file__).with_name("cpu_tiny_vllm_measurements.json")
 DECODE_CASES = ((16, (1, 2, 4, 8, 16, 32, 64, 96)), (768, (1, 4, 16, 32)))
@@ -47,6 +51,30 @@ LOADED_BATCHES = (8, 32)
 """Streams decoding while the loaded-TTFT probes run."""
 LOADED_TOKENS = 400
 LOADED_PROMPT = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one measurement pass runs (the defaults: the full pass the committed profile
+    was fitted on)."""
+
+    prefill_prompts: tuple[int, ...] = PREFILL_PROMPTS
+    prefill_reps: int = PREFILL_REPS
+    decode_cases: tuple[tuple[int, tuple[int, ...]], ...] = DECODE_CASES
+    loaded_batches: tuple[int, ...] = LOADED_BATCHES
+    loaded_tokens: int = LOADED_TOKENS
+
+
+FULL = Plan()
+QUICK = Plan(
+    prefill_prompts=(8, 256, 1024, 2000),
+    prefill_reps=3,
+    decode_cases=((16, (1, 4, 16, 32)), (768, (1, 4))),
+    loaded_batches=(8,),
+    loaded_tokens=160,
+)
+"""A bounded subset (about 20-40 s on the shared 2-core machine) for calibrating at test
+time (`calibrate`)."""
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
@@ -102,34 +130,37 @@ async def decode_row(
             "ms": max(ms, 0.1)}  # fmt: skip
 
 
-async def measure(url: str, model: str, seed: int = 0) -> list[dict[str, Any]]:
-    """All measurement rows (see the module docstring)."""
+async def measure(url: str, model: str, seed: int = 0, plan: Plan = FULL) -> list[dict[str, Any]]:
+    """All measurement rows of one pass (see the module docstring)."""
     import openai
 
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=3) as c:
         await stream_times(c, model, random_prompt(rng, 32), 8)  # warm-up
-        for p in PREFILL_PROMPTS:
+        for p in plan.prefill_prompts:
             ttft = []
-            for _ in range(PREFILL_REPS):
+            for _ in range(plan.prefill_reps):
                 t0 = time.perf_counter()
                 stamps = await stream_times(c, model, random_prompt(rng, p), 1)
                 ttft.append((stamps[0] - t0) * 1000)
             rows.append({"kind": "prefill", "B": 0, "ctx": 0, "P": p,
                          "ms": statistics.median(ttft)})  # fmt: skip
-        for p, batches in DECODE_CASES:
+        for p, batches in plan.decode_cases:
             for b in batches:
                 rows.append(await decode_row(c, model, rng, p, b, rows))
-        for b in LOADED_BATCHES:
-            rows.append(await loaded_row(c, model, rng, b))
+        for b in plan.loaded_batches:
+            rows.append(await loaded_row(c, model, rng, b, plan.loaded_tokens))
     return rows
 
 
-async def loaded_row(c: Any, model: str, rng: random.Random, b: int) -> dict[str, Any]:
-    """TTFT of a 128-token probe (median of 3) while B streams of 16-token prompts decode."""
+async def loaded_row(
+    c: Any, model: str, rng: random.Random, b: int, tokens: int = LOADED_TOKENS
+) -> dict[str, Any]:
+    """TTFT of a 128-token probe (median of 3) while B streams of 16-token prompts decode
+    `tokens` tokens each."""
     background = [
-        asyncio.create_task(stream_times(c, model, random_prompt(rng, 16), LOADED_TOKENS))
+        asyncio.create_task(stream_times(c, model, random_prompt(rng, 16), tokens))
         for _ in range(b)
     ]
     await asyncio.sleep(1.0)  # all admitted and decoding
@@ -139,7 +170,7 @@ async def loaded_row(c: Any, model: str, rng: random.Random, b: int) -> dict[str
         stamps = await stream_times(c, model, random_prompt(rng, LOADED_PROMPT), 1)
         ttft.append((stamps[0] - t0) * 1000)
     await asyncio.gather(*background)
-    return {"kind": "loaded", "B": b, "ctx": b * (16 + LOADED_TOKENS / 4), "P": LOADED_PROMPT,
+    return {"kind": "loaded", "B": b, "ctx": b * (16 + tokens / 4), "P": LOADED_PROMPT,
             "ms": statistics.median(ttft)}  # fmt: skip
 
 
@@ -190,6 +221,7 @@ def _window_stats(records: list[Any]) -> dict[str, float]:
     return {
         "ttft_ms": statistics.median(r.ttft_s for r in records) * 1000,
         "tpot_ms": statistics.median(tpot) * 1000,
+        "ttlt_ms": statistics.median(r.ttlt_s for r in records) * 1000,
     }
 
 
@@ -206,26 +238,42 @@ async def _emulate(window: list[Any], k: Any) -> dict[str, float]:
         await runner.cleanup()
 
 
-async def window_correction(url: str, model: str, coefs: dict[str, float]) -> dict[str, float]:
-    """Correct the fit on concurrent traffic: replay `CAL_WINDOW` on vLLM (3 passes, medians)
-    and on the emulator; scale the iteration terms by the ratio of median TPOTs, then shift the
-    request overhead by the remaining difference of median TTFTs. (Imports the emulator: this
-    is a script, not part of the engine model.)"""
+async def window_correction(
+    url: str,
+    model: str,
+    coefs: dict[str, float],
+    *,
+    passes: int = WINDOW_PASSES,
+    warm_up: bool = True,
+    cal_window: dict[str, Any] | None = None,
+    scale_on: str = "tpot_ms",
+) -> dict[str, float]:
+    """Correct the fit on concurrent traffic: replay `CAL_WINDOW` on vLLM (`passes` times,
+    medians) and on the emulator; scale the iteration terms by the ratio of median TPOTs, then
+    shift the request overhead by the remaining difference of median TTFTs. (Imports the
+    emulator: this is a script, not part of the engine model.) `scale_on="ttlt_ms"` scales by
+    the ratio of median TTLTs instead: steadier where vLLM's first chunk sometimes arrives
+    late, bunched with later ones, which shortens (TTLT - TTFT) and so the TPOT."""
     from dataclasses import replace
 
     from loadgen.engine.profiles import CpuTinyCoefficients
     from loadgen.replay import replay_window as replay
     from loadgen.replay import synthetic_window
 
-    window = synthetic_window(**CAL_WINDOW)  # type: ignore[arg-type]
-    await replay(url, model, synthetic_window(n=16, rate_per_s=4.0, seed=99))  # warm-up
-    passes = [_window_stats(await replay(url, model, window)) for _ in range(WINDOW_PASSES)]
-    real = {n: statistics.median(p[n] for p in passes) for n in passes[0]}
+    window = synthetic_window(**(cal_window or CAL_WINDOW))
+    if warm_up:
+        await replay(url, model, synthetic_window(n=16, rate_per_s=4.0, seed=99))
+    # fresh prompts on every pass (prompt seeds 1, 2, ...): vLLM caches prefixes, and a
+    # repeated prompt skips its prefill, which the emulator does not model
+    real_passes = [
+        _window_stats(await replay(url, model, window, seed=i + 1)) for i in range(passes)
+    ]
+    real = {n: statistics.median(p[n] for p in real_passes) for n in real_passes[0]}
     names = ("a_ms", "per_seq_ms", "per_ctx_ms", "per_prefill_tok_ms", "request_overhead_ms",
              "overhead_per_running_ms")  # fmt: skip
     k = CpuTinyCoefficients(**{n: coefs[n] for n in names})
     emu = await _emulate(window, k)
-    s = real["tpot_ms"] / emu["tpot_ms"]
+    s = real[scale_on] / emu[scale_on]
     k = replace(k, a_ms=k.a_ms * s, per_seq_ms=k.per_seq_ms * s, per_ctx_ms=k.per_ctx_ms * s,
                 per_prefill_tok_ms=k.per_prefill_tok_ms * s)  # fmt: skip
     emu2 = await _emulate(window, k)
@@ -236,6 +284,31 @@ async def window_correction(url: str, model: str, coefs: dict[str, float]) -> di
     out |= {f"real_{n}": round(v, 2) for n, v in real.items()}
     out |= {f"emu_before_{n}": round(v, 2) for n, v in emu.items()}
     return out
+
+
+async def calibrate(
+    url: str,
+    model: str = "tiny-llama",
+    *,
+    plan: Plan = QUICK,
+    passes: int = 1,
+    cal_window: dict[str, Any] | None = None,
+) -> tuple[CpuTinyCoefficients, dict[str, Any]]:
+    """Fit `cpu-tiny-vllm` coefficients on a running server now: one measurement pass of
+    `plan`, the linear fit, then the window correction on `cal_window` (`synthetic_window`
+    arguments, default `CAL_WINDOW`; `passes` vLLM replays, no extra warm-up: warm the server
+    up first; iteration terms scaled on median TTLT). Returns the coefficients and what
+    was measured (`fit`, `correction`, `seconds`). The fidelity test calibrates this way, on
+    the server it compares against, and then replays a different window."""
+    from loadgen.engine.profiles import CpuTinyCoefficients
+
+    t0 = time.perf_counter()
+    coefs = fit(await measure(url, model, seed=0, plan=plan))
+    corrected = await window_correction(
+        url, model, coefs, passes=passes, warm_up=False, cal_window=cal_window, scale_on="ttlt_ms"
+    )
+    info = {"fit": coefs, "correction": corrected, "seconds": round(time.perf_counter() - t0, 1)}
+    return CpuTinyCoefficients.from_values(corrected), info
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,22 +1,29 @@
 """The emulator against the real vLLM CPU build (tiny model): response shapes and timing.
 
-Slow (one real server per session; the first run installs it). The fidelity check replays
-the same seeded window through both and compares median TTFT and TTLT; the measured ratios
-are written to `.cache/emulator-fidelity.json` and recorded in docs/benchmarks.md.
-vLLM's speed on a shared CPU drifts with the other load (the 1-minute load average is
-recorded with the ratios); the emulator follows its committed profile.
+Slow (one real server per session; the first run installs it). vLLM's speed on a shared CPU
+drifts about 2x with the other load, so the fidelity check first calibrates the
+`cpu-tiny-vllm` coefficients on the session's server (`loadgen.engine.fit_cpu.calibrate`), then
+replays a different seeded window through vLLM, the calibrated emulator and vLLM again, and
+compares median TTFT and TTLT (emulator against the mean of the two vLLM replays). The ratios,
+the calibrated coefficients, the committed profile's ratios (not asserted) and the 1-minute
+load average go to `.cache/emulator-fidelity.json`; docs/benchmarks.md records them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import statistics
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from typing import Any
 
 import aiohttp
 import pytest
 
+from loadgen.engine.fit_cpu import calibrate
 from loadgen.replay import medians, synthetic_window
 from loadgen.replay import replay_window as replay
 from loadgen.vllm_real import CACHE, RealVllm
@@ -41,6 +48,12 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("completions", {"prompt": [2023, 2003, 1037, 3231]}),
 ]
 TOLERANCE = 0.30
+WINDOW: dict[str, Any] = {"n": 30, "rate_per_s": 2.0, "seed": 4}
+"""The compared window. At 3 requests/s vLLM on the shared 2-core machine sits at its
+saturation knee: two fresh-prompt replays of the same window, back to back, gave median TTFTs
+of 0.40 and 2.32 s, so vLLM does not agree with itself within 30% there."""
+CALIBRATION: dict[str, Any] = WINDOW | {"seed": 1}
+"""The calibration window: the same rate, other arrivals and lengths."""
 
 
 def shape(obj: Any) -> Any:
@@ -112,26 +125,55 @@ async def test_priority_without_priority_scheduling(real_vllm: RealVllm) -> None
 async def test_fidelity_median_ttft_and_ttlt(
     real_vllm: RealVllm, start_emulator: StartEmulator
 ) -> None:
-    window = synthetic_window(n=40, rate_per_s=3.0, seed=4)
+    """Calibrate `cpu-tiny-vllm` on this server now (`fit_cpu.calibrate`: microbenchmarks and
+    the calibration window, seed 1), then replay a different window (seed 4) real, emulated,
+    real, real and compare the emulator with the median of the three vLLM replays (vLLM's
+    speed drifts with the machine's load; the committed profile's ratios are recorded, not
+    asserted)."""
+    t0 = time.perf_counter()
     # a fresh vLLM CPU server is slow the first time it meets a batch shape (a first replay's
-    # median TTFT is 3-4x the next one's): warm it up on two other windows first
-    for seed in (98, 99):
-        await replay(real_vllm.url, "tiny-llama", synthetic_window(n=40, rate_per_s=4.0, seed=seed))
-    load = os.getloadavg()[0]
-    real = medians(await replay(real_vllm.url, "tiny-llama", window))
-    emu = medians(await replay(await start_emulator(), "tiny-llama", window))
-    ratios = {k: emu[k] / real[k] for k in real}
+    # median TTFT is 3-4x the next one's): warm it up on another window first (calibration's
+    # microbenchmarks and window then warm it further)
+    warm_up = synthetic_window(n=24, rate_per_s=4.0, seed=98)
+    await replay(real_vllm.url, "tiny-llama", warm_up, seed=98)
+    k, calibration = await calibrate(real_vllm.url, "tiny-llama", cal_window=CALIBRATION)
+    window = synthetic_window(**WINDOW)
+    load = [os.getloadavg()[0]]
+    # each vLLM replay sends fresh prompts (prompt seed): vLLM caches prefixes and a repeated
+    # prompt skips its prefill (a repeat's median TTFT was 4x lower), the emulator does not
+    real_runs = [medians(await replay(real_vllm.url, "tiny-llama", window, seed=41))]
+    # the calibrated and the committed profile side by side (the emulators barely load the CPU)
+    emu_urls = (await start_emulator(coefficients=k), await start_emulator())
+    emu, committed = [
+        medians(r)
+        for r in await asyncio.gather(*(replay(u, "tiny-llama", window) for u in emu_urls))
+    ]
+    for seed in (42, 43):
+        real_runs.append(medians(await replay(real_vllm.url, "tiny-llama", window, seed=seed)))
+    load.append(os.getloadavg()[0])
+    # median of three: vLLM's median TTFT on this window jumps between ~0.06 and ~0.4 s from
+    # one replay to the next (its first chunk sometimes arrives late, bunched with later ones)
+    real = {n: statistics.median(r[n] for r in real_runs) for n in real_runs[0]}
+    ratios = {n: emu[n] / real[n] for n in real}
     result = {
-        "window": "synthetic_window(n=40, rate_per_s=3.0, seed=4)",
+        "window": f"synthetic_window(**{WINDOW})",
+        "calibration_window": f"synthetic_window(**{CALIBRATION})",
         "load_average_1m": load,
+        "calibrated": {"coefficients": asdict(k), **calibration},
+        "real_runs": real_runs,
         "real": real,
         "emulator": emu,
         "ratio": ratios,
+        "committed_profile": {
+            "emulator": committed,
+            "ratio": {n: committed[n] / real[n] for n in real},
+        },
+        "seconds": round(time.perf_counter() - t0, 1),
     }
     (CACHE / "emulator-fidelity.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
-    for k, ratio in ratios.items():
-        assert abs(ratio - 1) <= TOLERANCE, f"{k}: emulator/vLLM = {ratio:.2f} ({result})"
+    for n, ratio in ratios.items():
+        assert abs(ratio - 1) <= TOLERANCE, f"{n}: emulator/vLLM = {ratio:.2f} ({result})"
 
 
 async def test_priority_scheduling_server(
