@@ -122,6 +122,7 @@ async def test_priority_without_priority_scheduling(real_vllm: RealVllm) -> None
     assert got["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.perf_real
 async def test_fidelity_median_ttft_and_ttlt(
     real_vllm: RealVllm, start_emulator: StartEmulator
 ) -> None:

@@ -28,7 +28,7 @@ from loadgen.replay.prompts import build_requests, synthetic_window, tokenize_co
 from loadgen.replay.validation import measured_gain, simulated_gain, window_trace
 from loadgen.vllm_real import CACHE, RealVllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.perf_real, pytest.mark.timeout(900)]
 
 
 def tagged(reqs: list[ReplayRequest], tag: str) -> list[ReplayRequest]:
