@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -162,16 +163,18 @@ class BackendPool:
 
     # -- health and caps ----------------------------------------------------------------
 
+    async def _get(self, b: Backend, path: str) -> tuple[int, str]:
+        """A short GET to a backend's control endpoint: (status, body text)."""
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        async with self._session.get(f"{b.url}{path}", timeout=timeout, headers=b.headers()) as r:
+            return r.status, await r.text()
+
     async def check(self, b: Backend) -> None:
         """GET /health and /v1/models; update health and models."""
-        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         try:
-            async with self._session.get(
-                f"{b.url}/health", timeout=timeout, headers=b.headers()
-            ) as r:
-                ok = r.status == 200
+            ok = (await self._get(b, "/health"))[0] == 200
             if ok:
-                await self._discover(b, timeout)
+                await self._discover(b)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             ok = False
         was = b.healthy
@@ -181,13 +184,13 @@ class BackendPool:
             log.info("backend %s healthy; models %s", b.name, sorted(b.models))
             self._on_capacity()
 
-    async def _discover(self, b: Backend, timeout: aiohttp.ClientTimeout) -> None:
-        async with self._session.get(
-            f"{b.url}/v1/models", timeout=timeout, headers=b.headers()
-        ) as r:
-            if r.status != 200:
-                return
-            data = await r.json()
+    async def _discover(self, b: Backend) -> None:
+        status, text = await self._get(b, "/v1/models")
+        if status != 200:
+            return
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            return
         cards = [c for c in data.get("data", []) if isinstance(c, dict) and "id" in c]
         b.discovered = cards
         if not b.config.models:
@@ -204,12 +207,8 @@ class BackendPool:
             await asyncio.gather(*(self._adapt(b) for b in self.backends if b.healthy))
 
     async def _adapt(self, b: Backend) -> None:
-        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         try:
-            async with self._session.get(
-                f"{b.url}/metrics", timeout=timeout, headers=b.headers()
-            ) as r:
-                text = await r.text()
+            _, text = await self._get(b, "/metrics")
         except (aiohttp.ClientError, TimeoutError):
             return
         values = scrape_values(text, ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"))

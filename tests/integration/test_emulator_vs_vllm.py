@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from fixtures.emulator_fixtures import VLLM_SERIES
 
 from loadgen.engine.fit_cpu import calibrate
 from loadgen.replay import medians, synthetic_window
@@ -31,7 +32,7 @@ from loadgen.vllm_real import CACHE, RealVllm
 pytestmark = pytest.mark.slow
 StartEmulator = Callable[..., Awaitable[str]]
 
-# the /metrics series the gateway reads (REFERENCE.md §4)
+GATEWAY_SERIES = VLLM_SERIES
 GATEWAY_SERIES = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
+from fixtures.emulator_fixtures import VLLM_SERIES
 
 from loadgen.emulator import protocol
 
@@ -131,16 +132,7 @@ async def test_models_health_metrics(c: openai.AsyncOpenAI, emulator_url: str) -
             assert resp.status == 200
         async with s.get(emulator_url + "/metrics") as resp:
             text = await resp.text()
-    for name in (
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:kv_cache_usage_perc",
-        "vllm:num_preemptions_total",
-        "vllm:time_to_first_token_seconds_bucket",
-        "vllm:inter_token_latency_seconds_bucket",
-        "vllm:e2e_request_latency_seconds_bucket",
-        "vllm:request_queue_time_seconds_bucket",
-    ):
+    for name in VLLM_SERIES:
         assert name + "{" in text, name
     assert 'model_name="tiny-llama"' in text
     assert 'vllm:e2e_request_latency_seconds_count{engine="0",model_name="tiny-llama"} 1.0' in text
