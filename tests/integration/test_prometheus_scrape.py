@@ -41,5 +41,11 @@ async def test_prometheus_scrapes_gateway_ttft(
     rate = "rate(sagesched_time_to_first_token_seconds_bucket[1m])"
     p50 = await prom.wait_for_data(f"histogram_quantile(0.5, sum by (le) ({rate}))")
     assert float(p50[0]["value"][1]) > 0
-    count = await prom.wait_for_data('sum(sagesched_requests_total{outcome="completed"})')
+    # Prometheus sees the last requests only at its next scrape (1 s): poll until it has them.
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        count = await prom.wait_for_data('sum(sagesched_requests_total{outcome="completed"})')
+        if float(count[0]["value"][1]) == 30 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.5)
     assert float(count[0]["value"][1]) == 30
