@@ -11,6 +11,7 @@ reads a clock or does I/O.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar, Self
 
@@ -31,7 +32,7 @@ def state(factory: Any) -> Any:
 
 
 @dataclasses.dataclass(eq=False)
-class Policy:
+class Policy(abc.ABC):
     """Base class of every policy. Subclasses are dataclasses registered by name.
 
     Class attributes answer the engine's questions:
@@ -53,13 +54,13 @@ class Policy:
 
     # -- ordering -----------------------------------------------------------------------
 
+    @abc.abstractmethod
     def key(self, job: Job, now: float) -> Key:
         """Sort key of `job` at time `now`; lower is served first.
 
         Called when the job is queued, when it reaches a review point, and (for preemptive
         policies) for running jobs when the engine looks for a victim. Must be deterministic.
         """
-        raise NotImplementedError
 
     def next_review(self, job: Job) -> int | None:
         """Generated-token count at which `job`'s key must be recomputed, or None if never.

@@ -32,17 +32,6 @@ from loadgen.vllm_real import CACHE, RealVllm
 pytestmark = pytest.mark.slow
 StartEmulator = Callable[..., Awaitable[str]]
 
-GATEWAY_SERIES = VLLM_SERIES
-GATEWAY_SERIES = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:num_preemptions_total",
-    "vllm:time_to_first_token_seconds_bucket",
-    "vllm:inter_token_latency_seconds_bucket",
-    "vllm:e2e_request_latency_seconds_bucket",
-    "vllm:request_queue_time_seconds_bucket",
-)
 REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"messages": [{"role": "user", "content": "Hello, how are you?"}]}),
     ("completions", {"prompt": "Once upon a time"}),
@@ -109,7 +98,7 @@ async def test_same_response_shapes_and_metric_names(
     for i, (r, e) in enumerate(zip(real_shapes, emu_shapes, strict=True)):
         assert e == r, f"request {i}: emulator {e} != vLLM {r}"
     real_names, emu_names = await _series(real_vllm.url), await _series(emu)
-    for name in GATEWAY_SERIES:
+    for name in VLLM_SERIES:
         assert name in real_names, f"vLLM lacks {name}"
         assert name in emu_names, f"emulator lacks {name}"
 

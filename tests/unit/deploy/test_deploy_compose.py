@@ -155,7 +155,7 @@ def compose_client() -> list[str] | None:
 def test_compose_client_parses_the_stack(stack: str) -> None:
     client = compose_client()
     if client is None:
-        pytest.skip("no compose client (docker compose / docker-compose) on this machine")
+        pytest.fail("no compose client: run `make system-deps` (installs docker-compose)")
     files = [a for f in STACKS[stack] for a in ("-f", str(COMPOSE / f))]
     proc = subprocess.run([*client, *files, "config", "-q"], capture_output=True, text=True,
                           timeout=60, check=False, cwd=COMPOSE)  # fmt: skip

@@ -38,7 +38,7 @@ def test_sagesched_small_grid_report(tmp_path: Path) -> None:
             ]
         )
     except (TraceDataMissing, FileNotFoundError) as exc:  # pragma: no cover
-        pytest.skip(f"shared prompt/trace data missing: {exc}")
+        pytest.fail(f"shared prompt/trace data missing: {exc}")
     assert code == 0
     report = (tmp_path / "report.md").read_text()
     assert "## Headline: pooled mean-TTLT gain of SageSched" in report

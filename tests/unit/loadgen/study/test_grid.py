@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -50,7 +49,6 @@ def test_process_executor_matches_serial(serial_rows: list[grid.Row]) -> None:
     assert _same(rows, serial_rows)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 def test_ray_executor_matches_serial(serial_rows: list[grid.Row]) -> None:
     rows = grid.run_grid(grid.plan(**SMALL), executor="ray", workers=2, progress=False)  # type: ignore[arg-type]
     assert _same(rows, serial_rows)

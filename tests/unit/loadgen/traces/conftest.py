@@ -14,5 +14,5 @@ def shared() -> Path:
     """The shared data folder; skips the test when it is absent (installed package, CI)."""
     folder = shared_data_dir()
     if not (folder / "traces").exists():
-        pytest.skip(f"shared data not at {folder} (set SAGESCHED_SHARED_DATA)")
+        pytest.fail(f"shared data not at {folder} (set SAGESCHED_SHARED_DATA)")
     return folder

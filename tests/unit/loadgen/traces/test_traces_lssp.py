@@ -15,7 +15,7 @@ EXPECTED_WINDOWS = {"lssp-azure2024": 39, "lssp-bailian": 40, "lssp-burstgpt": 4
 def _shared_lssp() -> Path:
     folder = shared_data_dir() / "traces" / "lssp"
     if not folder.exists():
-        pytest.skip(f"shared data not at {folder}")
+        pytest.fail(f"shared data not at {folder} (set SAGESCHED_SHARED_DATA)")
     return folder
 
 
