@@ -9,6 +9,15 @@
   group (FCFS or priority scheduling), wait for `/health`, stop it (SIGTERM to the group, then
   SIGKILL).
 
+The server runs its model worker inside the engine-core process (`executor="uni"`, with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` so the CPU platform keeps it). The CPU build's default,
+a separate worker process (`"mp"`), busy-waits on the shared-memory queue between worker
+and engine core for a second after every message (`shm_broadcast.SpinCondition`): on two
+cores those two spinning processes starve the API server and the client. Measured on this
+machine (30 requests at 2/s, 4 replays each): vLLM's own TTFT 0.04-0.06 s in both modes, but
+the client's mean TTFT 0.29-0.61 s with "mp" (median jumping between 0.07 and 0.47 s) and
+0.044-0.061 s with "uni" (median 0.032-0.041 s).
+
 Command line: `python -m loadgen.vllm_real setup` (venv + model; `make vllm-env`) and
 `python -m loadgen.vllm_real serve [--priority] [--port N]` (runs until interrupted).
 """
@@ -123,7 +132,11 @@ class RealVllm:
         max_model_len: int = 2048,
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
+        executor: str = "uni",
     ) -> None:
+        if executor not in ("uni", "mp"):
+            raise ValueError(f"executor must be 'uni' or 'mp', not {executor!r}")
+        self.executor = executor
         self.priority = priority
         self.port = port or free_port()
         self.model_dir, self.name = model_dir, name
@@ -141,7 +154,8 @@ class RealVllm:
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(self.model_dir), "--served-model-name", self.name, "--host", "127.0.0.1",
                "--port", str(self.port), "--max-model-len", str(self.max_model_len),
-               "--enforce-eager", "--dtype", "bfloat16"]  # fmt: skip
+               "--enforce-eager", "--dtype", "bfloat16",
+               "--distributed-executor-backend", self.executor]  # fmt: skip
         if self.priority:
             cmd += ["--scheduling-policy", "priority"]
         return cmd + list(self.extra_args)
@@ -150,8 +164,10 @@ class RealVllm:
         """Install what is missing, start the server and wait for `/health`."""
         python = ensure_venv()
         build_tiny_model(self.model_dir)
+        in_process = "0" if self.executor == "uni" else "1"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
+               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": in_process}  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -211,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run a vLLM CPU server until interrupted")
     serve.add_argument("--priority", action="store_true")
     serve.add_argument("--port", type=int, default=None)
+    serve.add_argument(
+        "--executor",
+        choices=("uni", "mp"),
+        default="uni",
+        help="model worker in the engine-core process (uni) or its own (mp)",
+    )
     args = ap.parse_args(argv)
     if args.cmd == "setup":
         t0 = time.monotonic()
@@ -221,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
-    server = RealVllm(priority=args.priority, port=args.port)
+    server = RealVllm(priority=args.priority, port=args.port, executor=args.executor)
     with server:
         print(f"vLLM CPU ({MODEL_NAME}) on {server.url}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

@@ -172,21 +172,23 @@ class H200Llama3(LatencyProfile):
 @dataclass(frozen=True, slots=True)
 class CpuTinyCoefficients:
     """Fitted by `loadgen.engine.fit_cpu` on the vLLM CPU build serving the tiny model
-    (milliseconds; B decodes, ΣL their context, P prefill tokens). Measured 2026-11-30 on a
-    shared, busy 2-core machine: a linear fit of microbenchmark medians (3 passes; max
-    relative error 35%: a 6.29, b 0.672, c 0, d 0.129, e 7.70, f 4.83), then corrected on the
-    calibration window (seed 1) replayed 4 times against a warmed-up server: iteration terms
-    × 1.2 (median TPOT 12.0 ms measured vs 9.9 emulated) and request overhead + 27 ms (median
-    TTFT 100 ms vs 73 ms). Rows: `loadgen/engine/cpu_tiny_vllm_measurements.json`."""
+    (milliseconds; B decodes, ΣL their context, P prefill tokens), the server started as
+    `loadgen.vllm_real` starts it (model worker inside the engine-core process). Measured
+    2026-11-30 on the otherwise idle 2-core machine: a linear fit of microbenchmark medians
+    (3 passes; max relative error 21%: a 4.40, b 0.486, c 0, d 0.0503, e 4.99, f 0.881), then
+    corrected on the calibration window (seed 1) replayed 3 times against a warmed-up server:
+    iteration terms × 1.39 (median TPOT 7.97 ms measured vs 5.72 emulated: streaming many
+    requests costs the API server more than the microbenchmarks see) and request overhead
+    + 0.6 ms (median TTFT 43.7 ms). Rows: `loadgen/engine/cpu_tiny_vllm_measurements.json`."""
 
-    a_ms: float = 7.55
-    per_seq_ms: float = 0.806
+    a_ms: float = 6.13
+    per_seq_ms: float = 0.677
     per_ctx_ms: float = 0.0
-    per_prefill_tok_ms: float = 0.155
-    request_overhead_ms: float = 34.7
+    per_prefill_tok_ms: float = 0.0701
+    request_overhead_ms: float = 5.57
     """Per-request API-server latency before the engine sees the request (fitted as the
     fixed part of a lone request's TTFT beyond one iteration)."""
-    overhead_per_running_ms: float = 4.83
+    overhead_per_running_ms: float = 0.881
     """Extra request overhead per request already streaming (the API server is busier)."""
 
     @classmethod
