@@ -22,7 +22,7 @@ from aiohttp import web
 
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, as_dict
-from gateway.dispatcher import Dispatcher
+from gateway.dispatcher import Dispatcher, Ticket
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -193,7 +193,7 @@ async def _serve(
         and state.predictor is not None
         and trace.output_tokens > 0
     ):
-        _learn(state, call.body, trace.output_tokens, call.prompt_tokens_estimate)
+        _learn(state, job, trace.output_tokens)
     return response
 
 
@@ -224,25 +224,31 @@ async def _refine(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     assert state.predictor is not None
     call: Call = job.ctx.call
     trace: RequestTrace = job.ctx.trace
+    ticket: Ticket = job.ctx
     start = time.monotonic()
-    dist = await state.predictor.predict_async(
-        request_text(body), prompt_tokens=call.prompt_tokens_estimate, max_tokens=call.max_tokens
+    ticket.prompt_vector = vec = await state.predictor.embed_async(request_text(body))
+    dist = await state.predictor.predict_vector_async(
+        vec, prompt_tokens=call.prompt_tokens_estimate, max_tokens=call.max_tokens
     )
     trace.predictor_s = time.monotonic() - start
     trace.predicted_median = dist.quantile(0.5)
     job.dist = dist
 
 
-def _learn(
-    state: GatewayState, body: dict[str, Any], output_tokens: int, prompt_tokens: int
-) -> None:
-    """Teach the predictor the true length, in the background."""
+def _learn(state: GatewayState, job: Job, output_tokens: int) -> None:
+    """Teach the predictor the true length, in the background, with the prompt's embedding
+    from the prediction when there is one (else the prompt is embedded now)."""
     if state.predictor is None:
         return
     from predictor import request_text
 
-    text = request_text(body)
-    _background(state, state.predictor.observe_async(text, output_tokens, prompt_tokens))
+    ticket: Ticket = job.ctx
+    call = ticket.call
+    work = state.predictor.observe_async(
+        request_text(call.body), output_tokens, call.prompt_tokens_estimate,
+        vector=ticket.prompt_vector,
+    )  # fmt: skip
+    _background(state, work)
 
 
 def _background(state: GatewayState, work: Coroutine[Any, Any, None]) -> None:

@@ -45,6 +45,8 @@ class Ticket:
     """Closes the current upstream response (set by the relay while streaming)."""
     finished: bool = False
     """`Dispatcher.finish` ran (it must run exactly once)."""
+    prompt_vector: Any = None
+    """The prompt's embedding once the predictor made it; learning the true length reuses it."""
 
 
 class Dispatcher:

@@ -178,13 +178,31 @@ class LengthPredictor:
         vec = self.embed([prompt])[0]
         return self.predict_vector(vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
 
+    async def embed_async(self, prompt: str) -> Embeddings:
+        """One prompt's embedding, micro-batched with concurrent callers, never blocking the
+        loop. With `predict_vector_async` now and `observe_async(..., vector=)` later, a prompt
+        is embedded once instead of twice."""
+        return await self._async_embedder().embed(self.text(prompt))
+
     async def predict_async(
         self, prompt: str, *, prompt_tokens: float | None = None, max_tokens: float | None = None
     ) -> LengthDist:
         """`predict`, micro-batched with concurrent callers, never blocking the loop."""
-        vec = await self._async_embedder().embed(self.text(prompt))
+        vec = await self.embed_async(prompt)
+        return await self.predict_vector_async(
+            vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+        )
+
+    async def predict_vector_async(
+        self,
+        vector: Embeddings,
+        *,
+        prompt_tokens: float | None = None,
+        max_tokens: float | None = None,
+    ) -> LengthDist:
+        """`predict_vector` off the loop (the index query)."""
         return await asyncio.to_thread(
-            self.predict_vector, vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+            self.predict_vector, vector, prompt_tokens=prompt_tokens, max_tokens=max_tokens
         )
 
     def _async_embedder(self) -> AsyncEmbedder:
@@ -225,10 +243,16 @@ class LengthPredictor:
         self.index.add(self.embed(prompts, batch_size), output_tokens, prompt_tokens)
 
     async def observe_async(
-        self, prompt: str, output_tokens: int, prompt_tokens: int | None = None
+        self,
+        prompt: str,
+        output_tokens: int,
+        prompt_tokens: int | None = None,
+        *,
+        vector: Embeddings | None = None,
     ) -> None:
-        """`observe` for the gateway: batched embedding, index update off the loop."""
-        vec = await self._async_embedder().embed(self.text(prompt))
+        """`observe` for the gateway: batched embedding (none if `vector`, the prompt's
+        embedding, is given), index update off the loop."""
+        vec = vector if vector is not None else await self.embed_async(prompt)
         if prompt_tokens is None:
             prompt_tokens = (await asyncio.to_thread(self.count_tokens, [prompt]))[0]
         await asyncio.to_thread(self.index.add, vec, [output_tokens], [prompt_tokens])

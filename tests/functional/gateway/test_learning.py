@@ -1,0 +1,58 @@
+"""The gateway learns every completed request's true length, embedding each prompt once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import aiohttp
+import pytest
+from fixtures.emulator_fixtures import StartEmulator
+from fixtures.gateway_fixtures import StartGateway
+
+from predictor import Embedder, LengthPredictor
+from predictor.embedder import Embeddings
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = [
+    f"Tell me about topic number {i} and why it matters to {i * 7} people." for i in range(8)
+]
+
+
+async def test_each_prompt_is_embedded_once(
+    start_emulator: StartEmulator,
+    start_gateway: StartGateway,
+    embedder: Embedder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    predictor = LengthPredictor(embedder=embedder)
+    predictor.observe_many(["a short question", "a long essay request"], [5, 60])
+    embedded: list[str] = []
+    encode = embedder.encode
+
+    def counting(texts: Sequence[str], batch_size: int | None = None) -> Embeddings:
+        embedded.extend(texts)
+        return encode(texts, batch_size)
+
+    monkeypatch.setattr(embedder, "encode", counting)
+    backend = await start_emulator()
+    gw = await start_gateway([{"url": backend, "max_inflight": 1}], policy="sagesched",
+                             predictor=predictor)  # fmt: skip
+
+    async def one(s: aiohttp.ClientSession, text: str) -> int:
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": text}],
+                "max_tokens": 30, "ignore_eos": True}  # fmt: skip
+        async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            return int((await r.json())["usage"]["completion_tokens"])
+
+    async with aiohttp.ClientSession() as s:
+        # seven of the eight wait behind the cap of 1, so their predictions order the queue
+        assert await asyncio.gather(*(one(s, p) for p in PROMPTS)) == [30] * len(PROMPTS)
+    # learning runs in the background after each response: wait for the gateway's tasks
+    while gw.state.background:
+        await asyncio.gather(*list(gw.state.background))
+    assert predictor.index.added == 2 + len(PROMPTS)
+    assert len(embedded) == len(PROMPTS), embedded
+    assert len(set(embedded)) == len(PROMPTS)
