@@ -35,6 +35,7 @@ from loadgen.replay.cli import run, served_model, write_jsonl
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.prompts import build_requests, tokenize_counter
 from loadgen.replay.report import comparison, summarize_replay
+from loadgen.replay.validation import recommend_cap
 from loadgen.schema import TraceRequest
 from loadgen.sim.cli import _windows
 from loadgen.sim.simulator import Contender, simulate
@@ -50,7 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--region", default="KNEE", choices=list(REGIONS))
     p.add_argument("--rate-scale", type=float, default=1.0, help="extra factor on the load")
     p.add_argument("--first", type=int, help="only the first N requests of each window")
-    p.add_argument("--cap", type=int, default=32, help="gateway in-flight cap per backend")
+    p.add_argument("--cap", default="32",
+                   help="gateway in-flight cap per backend, or 'auto': per window, the cap "
+                        "the simulator finds best for SageSched (2, 4, ..., 128)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=8192, help="the server's limit")
     p.add_argument("--max-output", type=int, help="cap output lengths (tokens)")
     p.add_argument("--profile", default="h200-llama3-8b", choices=profile_names())
@@ -77,13 +80,29 @@ def requests_for(trace: list[TraceRequest], url: str, model: str, args: argparse
     return build_requests(trace, prompts="sample", count_tokens=count, pad=True)
 
 
-def simulated(reqs: list[ReplayRequest], args: argparse.Namespace) -> dict[str, float]:
-    eng = engine_config(args.engine).with_(max_seqs=args.max_num_seqs)
+def simulated_engine(args: argparse.Namespace) -> Any:
+    return engine_config(args.engine).with_(max_seqs=args.max_num_seqs)
+
+
+def cap_for(reqs: list[ReplayRequest], args: argparse.Namespace) -> int:
+    """`--cap`, or with `--cap auto` the simulator's best cap for these requests."""
+    if args.cap != "auto":
+        return int(args.cap)
+    caps = (2, 4, 8, 16, 32, 64, 128)
+    cap, sweep = recommend_cap(reqs, args.profile, caps, simulated_engine(args))
+    print("simulated ratio to direct by cap: "
+          + ", ".join(f"{c}: {r:.3f}" for c, r in sweep.items()) + f" -> cap {cap}")  # fmt: skip
+    return cap
+
+
+def simulated(reqs: list[ReplayRequest], args: argparse.Namespace, cap: int) -> dict[str, float]:
+    eng = simulated_engine(args)
     trace = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, "replay") for r in reqs]
     out = {}
-    runs = [("direct", "fcfs", None)] + [(f"gateway-{p}", p, args.cap) for p in _policies(args)]
-    for name, policy, cap in runs:
-        res = simulate(trace, Contender(name, parse_policy(policy), eng, cap), args.profile)
+    runs: list[tuple[str, str, int | None]] = [("direct", "fcfs", None)]
+    runs += [(f"gateway-{p}", p, cap) for p in _policies(args)]
+    for name, policy, limit in runs:
+        res = simulate(trace, Contender(name, parse_policy(policy), eng, limit), args.profile)
         out[name] = summarize(res.records)["ttlt_s_mean"]
     return out
 
@@ -103,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         factor = region_factor(w, args.region) * args.rate_scale
         reqs = requests_for(compress(trace, factor), args.url, model, args)
         label = f"{w.source}/{w.window_id}@{args.region}"
+        cap = cap_for(reqs, args)
         results: dict[str, list[ReplayResult]] = {}
         results["direct"] = run(args.url, model, reqs, desc=f"direct {label}")
         with tempfile.TemporaryDirectory() as tmp, Children(Path(tmp)) as children:
@@ -111,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             for policy in _policies(args):
                 port = free_port()
                 cfg = gateway_config(Path(tmp) / f"{policy}.yaml", port, args.url, policy,
-                                     args.cap, warm)  # fmt: skip
+                                     cap, warm)  # fmt: skip
                 gw = children.start(f"gateway-{policy}", sagesched("serve", "--config", str(cfg)),
                                     f"http://127.0.0.1:{port}/ready", 300)  # fmt: skip
                 url = f"http://127.0.0.1:{port}"
@@ -120,15 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, rs in results.items():
             write_jsonl(str(out_dir / "requests.jsonl"), label, name, rs)
         summaries = {n: summarize_replay(rs) for n, rs in results.items()}
-        sim = simulated(reqs, args)
-        print(f"\n== {label} (load factor {factor:.3g}, {len(reqs)} requests)")
+        sim = simulated(reqs, args, cap)
+        print(f"\n== {label} (load factor {factor:.3g}, {len(reqs)} requests, cap {cap})")
         print(comparison(summaries))
         print(f"{'mean TTLT ratio':<28}{'measured':>10}{'simulated':>11}")
         for name in summaries:
             m = summaries[name]["e2el_s_mean"] / summaries["direct"]["e2el_s_mean"]
             s = sim[name] / sim["direct"]
             print(f"{name + ' / direct':<28}{m:>10.3f}{s:>11.3f}")
-        report["windows"][label] = {"factor": factor, "measured": summaries, "simulated": sim}
+        report["windows"][label] = {"factor": factor, "cap": cap, "measured": summaries,
+                                    "simulated": sim}  # fmt: skip
     (out_dir / "summary.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwritten: {out_dir}/summary.json, {out_dir}/requests.jsonl")
     return 0
