@@ -88,6 +88,9 @@ class Dispatcher:
         sched = self._schedulers.get(model)
         if sched is None:
             sched = self._schedulers[model] = Scheduler(self._template)
+            for b in self._pool.backends:
+                if model in b.models:
+                    self._metrics.declare(model, b.name, self.label)
         return sched
 
     def snapshot(self) -> list[dict[str, Any]]:

@@ -124,6 +124,12 @@ class GatewayMetrics:
             ("backend",), registry=r,
         )  # fmt: skip
 
+    def declare(self, model: str, backend: str, policy: str) -> None:
+        """Create the event counters of a (model, backend) at zero, so they are scraped before
+        their first event and `increase()` counts that event too."""
+        self.preemptions.labels(model, backend, policy)
+        self.retries.labels(model, backend)
+
     def settle(self, t: RequestTrace) -> None:
         """Record a finished request (exactly once per request)."""
         assert t.outcome is not None, "a request must end with an outcome"
