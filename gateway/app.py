@@ -213,7 +213,8 @@ async def _predict(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     if state.dispatcher.can_start_now(call.model):
         dist = predictor.global_dist(call.prompt_tokens_estimate)
         job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
-        _background(state, _refine(state, job, body))
+        ticket: Ticket = job.ctx
+        ticket.refining = _background(state, _refine(state, job, body))
         return
     await _refine(state, job, body)
 
@@ -236,30 +237,36 @@ async def _refine(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
 
 
 def _learn(state: GatewayState, job: Job, output_tokens: int) -> None:
-    """Teach the predictor the true length, in the background, with the prompt's embedding
-    from the prediction when there is one (else the prompt is embedded now)."""
-    if state.predictor is None:
-        return
+    """Teach the predictor the true length, in the background."""
+    if state.predictor is not None:
+        _background(state, _observe(state.predictor, job.ctx, output_tokens))
+
+
+async def _observe(predictor: LengthPredictor, ticket: Ticket, output_tokens: int) -> None:
+    """Learn with the prompt's embedding from the prediction: wait for a prediction still
+    running beside the request rather than embed the prompt a second time (if the prediction
+    failed or was shed, the prompt is embedded now)."""
     from predictor import request_text
 
-    ticket: Ticket = job.ctx
+    if ticket.refining is not None:
+        await asyncio.wait([ticket.refining])
     call = ticket.call
-    work = state.predictor.observe_async(
+    await predictor.observe_async(
         request_text(call.body), output_tokens, call.prompt_tokens_estimate,
         vector=ticket.prompt_vector,
     )  # fmt: skip
-    _background(state, work)
 
 
-def _background(state: GatewayState, work: Coroutine[Any, Any, None]) -> None:
+def _background(state: GatewayState, work: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     """Run predictor work beside the request; bounded, so a predictor that falls behind the
-    traffic sheds work instead of growing memory."""
+    traffic sheds work instead of growing memory. The task, or None if shed."""
     if len(state.background) >= MAX_PENDING_OBSERVATIONS:
         work.close()
-        return
+        return None
     task = asyncio.create_task(work)
     state.background.add(task)
     task.add_done_callback(_forget(state))
+    return task
 
 
 def _forget(state: GatewayState) -> Callable[[asyncio.Task[None]], None]:

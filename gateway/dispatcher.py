@@ -47,6 +47,8 @@ class Ticket:
     """`Dispatcher.finish` ran (it must run exactly once)."""
     prompt_vector: Any = None
     """The prompt's embedding once the predictor made it; learning the true length reuses it."""
+    refining: asyncio.Task[None] | None = None
+    """The prediction running beside the request (a job that could start at once)."""
 
 
 class Dispatcher:

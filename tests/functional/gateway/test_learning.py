@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import aiohttp
@@ -20,12 +21,20 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize(("cap", "together"), [(1, True), (8, False)], ids=["queued", "idle"])
 async def test_each_prompt_is_embedded_once(
     start_emulator: StartEmulator,
     start_gateway: StartGateway,
     embedder: Embedder,
     monkeypatch: pytest.MonkeyPatch,
+    cap: int,
+    together: bool,
 ) -> None:
+    """Queued: seven of eight requests wait behind a cap of 1, so their predictions order the
+    queue. Idle: one request at a time, each starting at once while its prediction runs beside
+    it; the embedder is slowed down so that the response ends before the prediction does, and
+    learning has to wait for it. Either way the prediction's embedding is the one learned
+    from."""
     predictor = LengthPredictor(embedder=embedder)
     predictor.observe_many(["a short question", "a long essay request"], [5, 60])
     embedded: list[str] = []
@@ -33,11 +42,13 @@ async def test_each_prompt_is_embedded_once(
 
     def counting(texts: Sequence[str], batch_size: int | None = None) -> Embeddings:
         embedded.extend(texts)
+        if not together:
+            time.sleep(0.3)  # in the embedder's thread: the prediction outlasts the response
         return encode(texts, batch_size)
 
     monkeypatch.setattr(embedder, "encode", counting)
     backend = await start_emulator()
-    gw = await start_gateway([{"url": backend, "max_inflight": 1}], policy="sagesched",
+    gw = await start_gateway([{"url": backend, "max_inflight": cap}], policy="sagesched",
                              predictor=predictor)  # fmt: skip
 
     async def one(s: aiohttp.ClientSession, text: str) -> int:
@@ -48,8 +59,11 @@ async def test_each_prompt_is_embedded_once(
             return int((await r.json())["usage"]["completion_tokens"])
 
     async with aiohttp.ClientSession() as s:
-        # seven of the eight wait behind the cap of 1, so their predictions order the queue
-        assert await asyncio.gather(*(one(s, p) for p in PROMPTS)) == [30] * len(PROMPTS)
+        if together:
+            got = await asyncio.gather(*(one(s, p) for p in PROMPTS))
+        else:
+            got = [await one(s, p) for p in PROMPTS]
+    assert got == [30] * len(PROMPTS)
     # learning runs in the background after each response: wait for the gateway's tasks
     while gw.state.background:
         await asyncio.gather(*list(gw.state.background))
