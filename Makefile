@@ -31,14 +31,18 @@ vllm-env: $(STAMP)
 	$(BIN)/python -m loadgen.vllm_real setup
 
 # Debian packages the tests and benchmarks run for real: Prometheus (server and promtool),
-# docker-compose (parses the compose files offline) and nginx (the lower bound in the gateway
-# overhead benchmark). Installed when missing (root).
-SYSTEM_TOOLS := prometheus promtool nginx docker-compose
+# docker-compose (parses the compose files offline), nginx (the lower bound in the gateway
+# overhead benchmark) and kubectl (renders the k8s kustomization). Each tool:package pair is
+# installed when its tool is missing (root); a kubectl from elsewhere (e.g. the Cloud SDK) is
+# kept, since the Debian package would conflict with it.
+SYSTEM_TOOLS := prometheus:prometheus promtool:prometheus nginx:nginx-light \
+	docker-compose:docker-compose kubectl:kubernetes-client
 system-deps:
-	@if for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || exit 1; done; then :; \
+	@missing=$$(for tp in $(SYSTEM_TOOLS); do command -v $${tp%%:*} >/dev/null || echo $${tp#*:}; done | sort -u); \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus nginx-light docker-compose; \
-	else echo "please install the Debian packages prometheus and nginx-light"; exit 1; fi
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else echo "please install the Debian packages:" $$missing; exit 1; fi
 
 test: lint typecheck system-deps vllm-env unit
 
