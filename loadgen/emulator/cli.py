@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import signal
 
-from loadgen.emulator.server import EmulatorConfig, create_app, make_runner
+from aiohttp import web
+
+from loadgen.emulator.server import EmulatorConfig, create_app
 from loadgen.engine.configs import engine_names
 from loadgen.engine.profiles import profile_names
 
@@ -51,20 +50,15 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     )
 
 
-async def serve(config: EmulatorConfig, host: str, port: int) -> None:
-    """Run until SIGINT/SIGTERM."""
-    runner, bound = await make_runner(create_app(config), host, port)
-    print(f"emulating vLLM ({config.profile}, model {config.model}) on http://{host}:{bound}",
-          flush=True)  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+def serve(config: EmulatorConfig, host: str, port: int) -> None:
+    """Run until SIGINT/SIGTERM (aiohttp's `run_app`; port 0: a free one, printed)."""
+
+    def ready(message: str) -> None:
+        where = message.strip().splitlines()[0].strip("= ")  # "Running on http://host:port"
+        print(f"emulating vLLM ({config.profile}, model {config.model}): {where}", flush=True)
+
+    web.run_app(create_app(config), host=host, port=port, handler_cancellation=True,
+                access_log=None, print=ready)  # fmt: skip
 
 
 def main(argv: list[str], prog: str = "sagesched emulate") -> int:
@@ -75,7 +69,7 @@ def main(argv: list[str], prog: str = "sagesched emulate") -> int:
     except ValueError as e:
         print(f"{prog}: {e}")
         return 2
-    asyncio.run(serve(config, args.host, args.port))
+    serve(config, args.host, args.port)
     return 0
 
 
