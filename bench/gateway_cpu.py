@@ -23,8 +23,10 @@ from pathlib import Path
 
 import aiohttp
 
+from loadgen.procs import free_port
+
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_overhead import BACKEND, PY, free_port, gateway_cmd, process
+from gateway_overhead import BACKEND, PY, gateway_cmd, process
 
 TICK = os.sysconf("SC_CLK_TCK")
 

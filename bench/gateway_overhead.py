@@ -19,10 +19,7 @@ import asyncio
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -32,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
+
+from loadgen.procs import Children, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -105,49 +104,15 @@ NGINX = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def process(
     cmd: list[str], core: int, ready_url: str, env: dict[str, str] | None = None
 ) -> Iterator[None]:
     """Run `cmd` pinned to `core` until the block ends; wait for `ready_url` to answer."""
     full = ["taskset", "-c", str(core), *cmd] if shutil.which("taskset") else cmd
-    proc = subprocess.Popen(
-        full, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        wait_ready(ready_url, proc)
+    with tempfile.TemporaryDirectory() as logs, Children(Path(logs), grace_s=15) as children:
+        children.start("child", full, ready_url, timeout_s=120, env=env)
         yield
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} never became ready")
 
 
 async def load(

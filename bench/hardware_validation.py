@@ -25,11 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadgen.demo.procs import Children, free_port, sagesched
 from loadgen.demo.run import gateway_config, write_warm_set
 from loadgen.engine.configs import engine_config
 from loadgen.engine.profiles import profile_names
 from loadgen.metrics import summarize
+from loadgen.procs import Children, free_port, sagesched
 from loadgen.regions import REGIONS, compress, region_factor
 from loadgen.replay.cli import run, served_model, write_jsonl
 from loadgen.replay.client import ReplayRequest, ReplayResult

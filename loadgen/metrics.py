@@ -50,7 +50,8 @@ class RequestRecord:
         return self.deadline_s is None or self.finish_s <= self.deadline_s + DEADLINE_EPS_S
 
 
-def _summary(values: list[float], prefix: str) -> dict[str, float]:
+def distribution(values: Sequence[float], prefix: str) -> dict[str, float]:
+    """`<prefix>_mean`, `_p50`, `_p95`, `_p99` of `values` (NaN when empty)."""
     if not values:
         return {f"{prefix}_{s}": math.nan for s in ("mean", "p50", "p95", "p99")}
     a = np.asarray(values, dtype=np.float64)
@@ -121,9 +122,9 @@ def summarize(records: Sequence[RequestRecord], *, token_s: float = 0.001) -> di
     met = sum(r.met_slo() for r in records)
     span = makespan_s(records)
     out: dict[str, float] = {"requests": float(n), "completed": float(len(done))}
-    out |= _summary(ttft(records), "ttft_s")
-    out |= _summary(ttlt(records), "ttlt_s")
-    out |= _summary(tpot(records), "tpot_s")
+    out |= distribution(ttft(records), "ttft_s")
+    out |= distribution(ttlt(records), "ttlt_s")
+    out |= distribution(tpot(records), "tpot_s")
     tokens = sum(r.tokens for r in done)
     out["request_throughput_rps"] = len(done) / span if span > 0 else math.nan
     out["token_throughput_tps"] = tokens / span if span > 0 else math.nan

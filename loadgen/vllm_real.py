@@ -35,15 +35,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Collection
 from pathlib import Path
 from types import TracebackType
+
+from loadgen.procs import free_port, stop_group, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("SAGESCHED_CACHE", ROOT / ".cache"))
@@ -130,12 +129,6 @@ def split_cpus() -> tuple[set[int], set[int]]:
     return set(mine[:half]), set(mine[half:])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RealVllm:
     """One vLLM CPU server process (its own process group); a context manager."""
 
@@ -198,41 +191,17 @@ class RealVllm:
                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )  # fmt: skip
         try:
-            self._wait_ready(timeout_s)
+            wait_http(self.url + "/health", timeout_s, self.proc, self.log_path)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{tail}")
-            with (
-                contextlib.suppress(urllib.error.URLError, OSError),
-                urllib.request.urlopen(self.url + "/health", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM not ready after {timeout_s:.0f} s (log: {self.log_path})")
-
     def stop(self, *, grace_s: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL it after `grace_s` (idempotent)."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        if proc is not None:
+            stop_group(proc, grace_s)
 
     def __enter__(self) -> RealVllm:
         return self.start() if self.proc is None else self

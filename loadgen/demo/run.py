@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadgen.demo.procs import Children, free_port, sagesched
+from loadgen.procs import Children, free_port, sagesched
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.prompts import build_requests, load_prompt_rows
 from loadgen.replay.report import comparison, failures, summarize_replay, warnings_for

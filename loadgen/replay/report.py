@@ -14,27 +14,12 @@ import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
-from loadgen.metrics import summarize
+from loadgen.metrics import distribution, summarize
 from loadgen.replay.client import ReplayResult
 
 LAG_WARN_S = 0.010
 """Schedule-lag p99 above which the client, not the server, limits the replay."""
 SLO_KEYS = ("ttft", "tpot", "e2el")
-
-
-def _stats(values: Sequence[float], name: str) -> dict[str, float]:
-    if not values:
-        return {f"{name}_{s}": math.nan for s in ("mean", "p50", "p95", "p99")}
-    a = np.asarray(values, dtype=np.float64)
-    p50, p95, p99 = np.percentile(a, [50, 95, 99])
-    return {
-        f"{name}_mean": float(a.mean()),
-        f"{name}_p50": float(p50),
-        f"{name}_p95": float(p95),
-        f"{name}_p99": float(p99),
-    }
 
 
 def parse_slos(spec: Sequence[str]) -> dict[str, float]:
@@ -88,13 +73,14 @@ def summarize_replay(
     out["request_throughput_rps"] = per_s(len(ok))
     out["output_throughput_tps"] = per_s(out_tokens)
     out["total_token_throughput_tps"] = per_s(out_tokens + in_tokens)
-    out |= _stats([r.first_token_s - r.scheduled_s for r in ok if r.first_token_s is not None],
-                  "ttft_s")  # fmt: skip
-    out |= _stats([t for r in ok if (t := _tpot(r)) is not None], "tpot_s")
-    out |= _stats([g for r in ok for g in r.gaps_s], "itl_s")
-    out |= _stats([r.finish_s - r.scheduled_s for r in ok if r.finish_s is not None], "e2el_s")
+    ttft = [r.first_token_s - r.scheduled_s for r in ok if r.first_token_s is not None]
+    out |= distribution(ttft, "ttft_s")
+    out |= distribution([t for r in ok if (t := _tpot(r)) is not None], "tpot_s")
+    out |= distribution([g for r in ok for g in r.gaps_s], "itl_s")
+    e2el = [r.finish_s - r.scheduled_s for r in ok if r.finish_s is not None]
+    out |= distribution(e2el, "e2el_s")
     lag = lags(results)
-    out |= _stats(lag, "lag_s")
+    out |= distribution(lag, "lag_s")
     out["lag_s_max"] = max(lag) if lag else math.nan
     if slos:
         good = sum(meets(r, slos) for r in results)

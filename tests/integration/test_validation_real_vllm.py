@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from loadgen.demo.procs import Children, free_port, sagesched
 from loadgen.demo.run import ONE_THREAD, gateway_config, write_warm_set
+from loadgen.procs import Children, free_port, sagesched
 from loadgen.replay.cli import run
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.prompts import build_requests, synthetic_window, tokenize_counter

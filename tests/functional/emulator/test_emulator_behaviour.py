@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import openai
 import pytest
 
 from loadgen.engine.profiles import make_profile
+from loadgen.procs import free_port
 
 MODEL = "tiny-llama"
 ROOT = Path(__file__).resolve().parents[3]
@@ -122,14 +122,8 @@ async def test_time_scale(start_emulator: object) -> None:
     assert fast < real / 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_cli_serves_the_openai_client() -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "sagesched_cli", "emulate", "--profile", "cpu-tiny-vllm"]
     proc = subprocess.Popen([*cmd, "--port", str(port)], cwd=ROOT, env=env)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.demo.procs import Children, free_port, sagesched
+from loadgen.procs import Children, free_port, sagesched
 from loadgen.replay.cli import compare_main
 from loadgen.replay.cli import main as replay_main
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.demo.procs import Children, free_port, sagesched
+from loadgen.procs import Children, free_port, sagesched
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[3]

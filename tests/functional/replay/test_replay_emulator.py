@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
 
-from loadgen.demo.procs import Children, free_port, sagesched
 from loadgen.emulator import EmulatorConfig, create_app, make_runner
+from loadgen.procs import Children, free_port, sagesched
 from loadgen.replay import ReplayRequest, replay, summarize_replay
 from loadgen.replay.cli import run
 from loadgen.replay.prompts import arrivals, token_ids

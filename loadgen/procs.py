@@ -1,8 +1,10 @@
-"""Child servers for the demo and the validation scripts, always cleaned up.
+"""Child servers for the demo, the validation scripts, the benchmarks and the test fixtures,
+always cleaned up.
 
 Each child runs in its own session (process group) so that stopping it stops everything it
-started; `Children` is a context manager that stops all of them (SIGTERM, then SIGKILL after a
-grace period) however the block ends, including on KeyboardInterrupt.
+started (`stop_group`: SIGTERM, then SIGKILL after a grace period); `Children` is a context
+manager that stops all of them however the block ends, including on KeyboardInterrupt.
+`wait_http` waits for a child's readiness URL; `free_port` picks a port for it.
 """
 
 from __future__ import annotations
@@ -25,17 +27,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Poll `url` until it answers 200; raise RuntimeError on timeout or if `proc` exits."""
+def wait_http(
+    url: str,
+    timeout_s: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> None:
+    """Poll `url` until it answers 200; raise RuntimeError on timeout or if `proc` exits (with
+    the end of `log`, the child's output, when given)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before {url} was up")
+            tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log else ""
+            raise RuntimeError(
+                f"{proc.args!r} exited with {proc.returncode} before {url} was up{tail}"
+            )
         with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
             if resp.status == 200:
                 return
         time.sleep(0.2)
-    raise RuntimeError(f"{url} not up after {timeout_s:.0f} s")
+    raise RuntimeError(f"{url} not up after {timeout_s:.0f} s" + (f" (log: {log})" if log else ""))
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM to the child's process group, SIGKILL after `grace_s`, then SIGKILL to any
+    stragglers left in its group."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def sagesched(*args: str) -> list[str]:
@@ -55,28 +82,19 @@ class Children:
               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
         """Start `cmd` (output to `<log_dir>/<name>.log`) and wait until `ready_url` answers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with (self.log_dir / f"{name}.log").open("wb") as log:
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, **(env or {})},
             )  # fmt: skip
         self.procs.append(proc)
-        wait_http(ready_url, timeout_s, proc)
+        wait_http(ready_url, timeout_s, proc, log_path)
         return proc
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        """SIGTERM to the child's process group, SIGKILL after the grace period."""
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(self.grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):  # stragglers in its group
-            os.killpg(proc.pid, signal.SIGKILL)
+        """`stop_group` with this set's grace period."""
+        stop_group(proc, self.grace_s)
         if proc in self.procs:
             self.procs.remove(proc)
 
