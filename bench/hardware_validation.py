@@ -28,18 +28,15 @@ from typing import Any
 from loadgen.demo.run import gateway_config, write_warm_set
 from loadgen.engine.configs import engine_config
 from loadgen.engine.profiles import profile_names
-from loadgen.metrics import summarize
 from loadgen.procs import Children, free_port, sagesched
 from loadgen.regions import REGIONS, compress, region_factor
 from loadgen.replay.cli import run, served_model, write_jsonl
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.prompts import build_requests, tokenize_counter
 from loadgen.replay.report import comparison, summarize_replay
-from loadgen.replay.validation import recommend_cap
+from loadgen.replay.validation import recommend_cap, simulated_ttlt
 from loadgen.schema import TraceRequest
 from loadgen.sim.cli import _windows
-from loadgen.sim.simulator import Contender, simulate
-from policies.registry import parse_policy
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,15 +93,9 @@ def cap_for(reqs: list[ReplayRequest], args: argparse.Namespace) -> int:
 
 
 def simulated(reqs: list[ReplayRequest], args: argparse.Namespace, cap: int) -> dict[str, float]:
-    eng = simulated_engine(args)
-    trace = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, "replay") for r in reqs]
-    out = {}
-    runs: list[tuple[str, str, int | None]] = [("direct", "fcfs", None)]
-    runs += [(f"gateway-{p}", p, cap) for p in _policies(args)]
-    for name, policy, limit in runs:
-        res = simulate(trace, Contender(name, parse_policy(policy), eng, limit), args.profile)
-        out[name] = summarize(res.records)["ttlt_s_mean"]
-    return out
+    arms: dict[str, tuple[str, int | None]] = {"direct": ("fcfs", None)}
+    arms |= {f"gateway-{p}": (p, cap) for p in _policies(args)}
+    return simulated_ttlt(reqs, args.profile, arms, simulated_engine(args))
 
 
 def _policies(args: argparse.Namespace) -> list[str]:

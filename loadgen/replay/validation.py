@@ -9,7 +9,7 @@ measured and predicted gains are put side by side.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loadgen.replay.client import ReplayRequest, ReplayResult
@@ -32,18 +32,16 @@ def window_trace(source: str, window: int, n: int, max_prompt: int, max_output: 
     return compress(trace, factor)
 
 
-def simulated_gain(
+def simulated_ttlt(
     requests: Sequence[ReplayRequest],
     profile: str,
-    cap: int,
+    arms: Mapping[str, tuple[str, int | None]],
     engine: Any = None,
-    policies: Sequence[str] = ("sagesched",),
 ) -> dict[str, float]:
-    """Mean TTLT of direct vLLM and of the gateway with each of `policies` (cap `cap`) in the
-    simulator, on the requests actually sent (their prompt and output lengths and arrival
-    times; true lengths as beliefs). Keys: `direct_ttlt_mean_s`, `gateway_ttlt_mean_s` (the
-    first policy), `gateway_<policy>_ttlt_mean_s` for the others, and `ratio` (first policy
-    over direct)."""
+    """Mean TTLT (s) in the simulator of each arm, `name: (policy, gateway cap or None for
+    the engine alone)`, on the requests actually sent (their prompt and output lengths and
+    arrival times; true lengths as beliefs). Engine: the emulator's vLLM CPU configuration
+    unless `engine` is given."""
     from loadgen.emulator import EmulatorConfig
     from loadgen.metrics import summarize
     from loadgen.sim.simulator import Contender, simulate
@@ -52,12 +50,27 @@ def simulated_gain(
     eng = engine or EmulatorConfig().engine_config()
     trace = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, "replay")
              for r in requests]  # fmt: skip
-    arms: list[tuple[str, str, int | None]] = [("direct", "fcfs", None)]
-    arms += [("gateway" if i == 0 else f"gateway_{p}", p, cap) for i, p in enumerate(policies)]
     out = {}
-    for name, policy, c in arms:
-        res = simulate(trace, Contender(name, parse_policy(policy), eng, c), profile)
-        out[f"{name}_ttlt_mean_s"] = summarize(res.records)["ttlt_s_mean"]
+    for name, (policy, cap) in arms.items():
+        res = simulate(trace, Contender(name, parse_policy(policy), eng, cap), profile)
+        out[name] = summarize(res.records)["ttlt_s_mean"]
+    return out
+
+
+def simulated_gain(
+    requests: Sequence[ReplayRequest],
+    profile: str,
+    cap: int,
+    engine: Any = None,
+    policies: Sequence[str] = ("sagesched",),
+) -> dict[str, float]:
+    """`simulated_ttlt` of direct vLLM and of the gateway with each of `policies` at cap
+    `cap`. Keys: `direct_ttlt_mean_s`, `gateway_ttlt_mean_s` (the first policy),
+    `gateway_<policy>_ttlt_mean_s` for the others, and `ratio` (first policy over direct)."""
+    arms: dict[str, tuple[str, int | None]] = {"direct": ("fcfs", None)}
+    arms |= {("gateway" if i == 0 else f"gateway_{p}"): (p, cap) for i, p in enumerate(policies)}
+    ttlt = simulated_ttlt(requests, profile, arms, engine)
+    out = {f"{name}_ttlt_mean_s": v for name, v in ttlt.items()}
     out["ratio"] = out["gateway_ttlt_mean_s"] / out["direct_ttlt_mean_s"]
     return out
 
@@ -75,7 +88,10 @@ def recommend_cap(
     gateway + SageSched mean TTLT is lowest (ties: the smaller cap), and the simulated ratio
     to direct vLLM for every cap. Too small a cap throttles the engine's batching; too large
     a one leaves the backlog in the engine's FCFS queue, out of the policy's reach."""
-    sweep = {c: simulated_gain(requests, profile, c, engine)["ratio"] for c in caps}
+    arms: dict[str, tuple[str, int | None]] = {"direct": ("fcfs", None)}
+    arms |= {str(c): ("sagesched", c) for c in caps}
+    ttlt = simulated_ttlt(requests, profile, arms, engine)
+    sweep = {c: ttlt[str(c)] / ttlt["direct"] for c in caps}
     return min(sweep, key=lambda c: (sweep[c], c)), sweep
 
 
