@@ -33,7 +33,7 @@ from gateway.errors import (
     Unauthorized,
 )
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
-from gateway.openai_api import Call, Kind, parse_body, parse_call
+from gateway.openai_api import Kind, parse_body, parse_call
 from gateway.relay import Relay
 from policies import Job, parse_policy
 
@@ -209,11 +209,11 @@ async def _predict(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     predictor = state.predictor
     if predictor is None:
         return
-    call: Call = job.ctx.call
+    ticket: Ticket = job.ctx
+    call = ticket.call
     if state.dispatcher.can_start_now(call.model):
         dist = predictor.global_dist(call.prompt_tokens_estimate)
         job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
-        ticket: Ticket = job.ctx
         ticket.refining = _background(state, _refine(state, job, body))
         return
     await _refine(state, job, body)
@@ -223,9 +223,8 @@ async def _refine(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     from predictor import request_text
 
     assert state.predictor is not None
-    call: Call = job.ctx.call
-    trace: RequestTrace = job.ctx.trace
     ticket: Ticket = job.ctx
+    call, trace = ticket.call, ticket.trace
     start = time.monotonic()
     ticket.prompt_vector = vec = await state.predictor.embed_async(request_text(body))
     dist = await state.predictor.predict_vector_async(

