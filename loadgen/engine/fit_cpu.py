@@ -6,6 +6,8 @@ coefficients that `loadgen.engine.profiles.CPU_TINY_VLLM` holds (with `--url URL
 --window-correction`, also coefficients corrected on a replayed window; not used for the
 committed numbers, since on a shared CPU they follow the load of the moment) and writes the
 measurements (JSON rows) to `--out` (default `loadgen/engine/cpu_tiny_vllm_measurements.json`).
+`--url URL --speed` only prints the time scale at which the committed profile matches that
+server now (`speed_factor`; `sagesched emulate --time-scale`).
 
 What is measured, from a client's point of view (so HTTP, tokenisation and scheduler overhead
 are part of the numbers, as they are for the emulator's users), with prompts given as random
@@ -22,6 +24,11 @@ Model (ms): a + b·B + c·ΣL + [P > 0]·(e + d·P), least squares weighted by 1
 profile reads a + b·B + c·ΣL + d·P as the iteration time and e as a per-request overhead (the
 API server's work before the engine sees a request: it delays a request's first token but
 runs beside other requests' iterations, so it is not charged to them).
+
+Speed: the same probe (a few rounds of 1, 2 and 4 concurrent streams) sent to the server and to
+the emulator running the profile; the geometric mean of the TTLT ratios is the emulator's
+time scale for this machine now. The coefficients carry the engine's shape, the time scale
+the machine's speed of the moment, which on a shared CPU drifts by tens of percent.
 """
 
 from __future__ import annotations
@@ -29,17 +36,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from loadgen.engine.profiles import CpuTinyCoefficients
 
 DEFAULT_OUT = Path(__file__).with_name("cpu_tiny_vllm_measurements.json")
 DECODE_CASES = ((16, (1, 2, 4, 8, 16, 32, 64, 96)), (768, (1, 4, 16, 32)))
@@ -51,30 +55,6 @@ LOADED_BATCHES = (8, 32)
 """Streams decoding while the loaded-TTFT probes run."""
 LOADED_TOKENS = 400
 LOADED_PROMPT = 128
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What one measurement pass runs (the defaults: the full pass the committed profile
-    was fitted on)."""
-
-    prefill_prompts: tuple[int, ...] = PREFILL_PROMPTS
-    prefill_reps: int = PREFILL_REPS
-    decode_cases: tuple[tuple[int, tuple[int, ...]], ...] = DECODE_CASES
-    loaded_batches: tuple[int, ...] = LOADED_BATCHES
-    loaded_tokens: int = LOADED_TOKENS
-
-
-FULL = Plan()
-QUICK = Plan(
-    prefill_prompts=(8, 256, 1024, 2000),
-    prefill_reps=3,
-    decode_cases=((16, (1, 4, 16, 32)), (768, (1, 4))),
-    loaded_batches=(8,),
-    loaded_tokens=160,
-)
-"""A bounded subset (about 20-40 s on the shared 2-core machine) for calibrating at test
-time (`calibrate`)."""
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
@@ -130,7 +110,7 @@ async def decode_row(
             "ms": max(ms, 0.1)}  # fmt: skip
 
 
-async def measure(url: str, model: str, seed: int = 0, plan: Plan = FULL) -> list[dict[str, Any]]:
+async def measure(url: str, model: str, seed: int = 0) -> list[dict[str, Any]]:
     """All measurement rows of one pass (see the module docstring)."""
     import openai
 
@@ -138,19 +118,19 @@ async def measure(url: str, model: str, seed: int = 0, plan: Plan = FULL) -> lis
     rows: list[dict[str, Any]] = []
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=3) as c:
         await stream_times(c, model, random_prompt(rng, 32), 8)  # warm-up
-        for p in plan.prefill_prompts:
+        for p in PREFILL_PROMPTS:
             ttft = []
-            for _ in range(plan.prefill_reps):
+            for _ in range(PREFILL_REPS):
                 t0 = time.perf_counter()
                 stamps = await stream_times(c, model, random_prompt(rng, p), 1)
                 ttft.append((stamps[0] - t0) * 1000)
             rows.append({"kind": "prefill", "B": 0, "ctx": 0, "P": p,
                          "ms": statistics.median(ttft)})  # fmt: skip
-        for p, batches in plan.decode_cases:
+        for p, batches in DECODE_CASES:
             for b in batches:
                 rows.append(await decode_row(c, model, rng, p, b, rows))
-        for b in plan.loaded_batches:
-            rows.append(await loaded_row(c, model, rng, b, plan.loaded_tokens))
+        for b in LOADED_BATCHES:
+            rows.append(await loaded_row(c, model, rng, b))
     return rows
 
 
@@ -286,29 +266,60 @@ async def window_correction(
     return out
 
 
-async def calibrate(
-    url: str,
-    model: str = "tiny-llama",
-    *,
-    plan: Plan = QUICK,
-    passes: int = 1,
-    cal_window: dict[str, Any] | None = None,
-) -> tuple[CpuTinyCoefficients, dict[str, Any]]:
-    """Fit `cpu-tiny-vllm` coefficients on a running server now: one measurement pass of
-    `plan`, the linear fit, then the window correction on `cal_window` (`synthetic_window`
-    arguments, default `CAL_WINDOW`; `passes` vLLM replays, no extra warm-up: warm the server
-    up first; iteration terms scaled on median TTLT). Returns the coefficients and what
-    was measured (`fit`, `correction`, `seconds`). The fidelity test calibrates this way, on
-    the server it compares against, and then replays a different window."""
-    from loadgen.engine.profiles import CpuTinyCoefficients
+SPEED_ROUNDS = ((1, 128, 48), (2, 128, 48), (4, 128, 48))
+"""(streams sent at once, prompt tokens, output tokens) of the speed probe's rounds: the few
+concurrent streams of a window at a few requests per second."""
+SPEED_REPS = 3
 
-    t0 = time.perf_counter()
-    coefs = fit(await measure(url, model, seed=0, plan=plan))
-    corrected = await window_correction(
-        url, model, coefs, passes=passes, warm_up=False, cal_window=cal_window, scale_on="ttlt_ms"
-    )
-    info = {"fit": coefs, "correction": corrected, "seconds": round(time.perf_counter() - t0, 1)}
-    return CpuTinyCoefficients.from_values(corrected), info
+
+async def probe_ttlt(url: str, model: str, seed: int = 0) -> list[float]:
+    """The speed probe: per round of `SPEED_ROUNDS`, the median TTLT (s) over `SPEED_REPS`
+    repetitions of B streams sent at once (random token-id prompts, `ignore_eos`). About
+    3-4 s on the shared 2-core machine."""
+    import openai
+
+    rng = random.Random(seed)
+    out = []
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=3) as c:
+        for b, p, tokens in SPEED_ROUNDS:
+            ttlt = []
+            for _ in range(SPEED_REPS):
+                t0 = time.perf_counter()
+                runs = await asyncio.gather(
+                    *(stream_times(c, model, random_prompt(rng, p), tokens) for _ in range(b))
+                )
+                ttlt.append(statistics.median(r[-1] - t0 for r in runs))
+            out.append(statistics.median(ttlt))
+    return out
+
+
+async def profile_probe(profile: str = "cpu-tiny-vllm", coefficients: object = None) -> list[float]:
+    """The speed probe against an in-process emulator running `profile` at time scale 1."""
+    from loadgen.emulator.server import EmulatorConfig, create_app, make_runner
+
+    config = EmulatorConfig(profile=profile, coefficients=coefficients)
+    runner, port = await make_runner(create_app(config), "127.0.0.1", 0)
+    try:
+        return await probe_ttlt(f"http://127.0.0.1:{port}", config.model)
+    finally:
+        await runner.cleanup()
+
+
+def speed_ratio(measured: list[float], reference: list[float]) -> float:
+    """Geometric mean over the probe's rounds of measured / reference TTLT."""
+    if not measured:
+        raise ValueError("an empty speed probe")
+    pairs = zip(measured, reference, strict=True)
+    return math.exp(statistics.fmean(math.log(m / r) for m, r in pairs))
+
+
+async def speed_factor(url: str, model: str, reference: list[float], seed: int = 0) -> float:
+    """How slow the server at `url` is now against the profile whose probe is `reference`
+    (`profile_probe`): the emulator's `time_scale` that matches it. A CPU's speed is a
+    property of the machine and the moment (on the shared 2-core machine it drifted between
+    0.61 and 0.81 of the committed profile within minutes), the profile's coefficients are
+    its shape: how an iteration's time grows with batch, context and prefill."""
+    return speed_ratio(await probe_ttlt(url, model, seed=seed), reference)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +333,18 @@ def main(argv: list[str] | None = None) -> int:
         help="with --url: also correct the fit on a replayed window (follows the current load)",
     )  # fmt: skip
     ap.add_argument("--rows", type=Path, help="fit these saved rows instead of measuring")
+    ap.add_argument(
+        "--speed", action="store_true",
+        help="with --url: only print the --time-scale at which the committed profile matches it",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.speed:
+        if not args.url:
+            ap.error("--speed needs --url")
+        reference = asyncio.run(profile_probe())
+        scale = asyncio.run(speed_factor(args.url, args.model, reference))
+        print(json.dumps({"time_scale": round(scale, 3)}))
+        return 0
     if args.rows:
         rows = json.loads(args.rows.read_text())
     elif args.url:

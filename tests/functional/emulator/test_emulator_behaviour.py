@@ -1,4 +1,5 @@
-"""Emulator behaviour: priority scheduling, abort on disconnect, time scale, the CLI."""
+"""Emulator behaviour: priority scheduling, abort on disconnect, time scale and the speed probe,
+the CLI."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+from loadgen.engine.fit_cpu import profile_probe, speed_factor
 from loadgen.engine.profiles import make_profile
 from loadgen.procs import free_port
 
@@ -120,6 +122,16 @@ async def test_time_scale(start_emulator: object) -> None:
     assert expected * 0.95 <= real <= expected * 1.5 + 0.05
     assert expected * 0.2 * 0.95 <= fast <= expected * 0.2 * 1.5 + 0.05
     assert fast < real / 2
+
+
+async def test_speed_factor_recovers_the_time_scale(start_emulator: object) -> None:
+    """The speed probe behind the fidelity test's time scale measures an emulator running at
+    half the profile's time as about 0.5, and one at the profile's pace as about 1."""
+    reference = await profile_probe()
+    fast = await start_emulator(time_scale=0.5)  # type: ignore[operator]
+    same = await start_emulator()  # type: ignore[operator]
+    assert 0.5 * 0.9 <= await speed_factor(fast, MODEL, reference, seed=1) <= 0.5 * 1.25
+    assert 0.9 <= await speed_factor(same, MODEL, reference, seed=2) <= 1.15
 
 
 def test_cli_serves_the_openai_client() -> None:
