@@ -31,9 +31,6 @@ class EmulatorConfig:
 
     profile: str = "cpu-tiny-vllm"
     """Latency profile name (`loadgen.engine.profiles`)."""
-    coefficients: object | None = None
-    """The profile's coefficients instead of its committed ones (`CpuTinyCoefficients` for
-    `cpu-tiny-vllm`, e.g. calibrated on the server being compared against); None: committed."""
     model: str = "tiny-llama"
     """Served model name (`--served-model-name`)."""
     time_scale: float = 1.0
@@ -80,11 +77,9 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 
 def create_app(config: EmulatorConfig, profile: LatencyProfile | None = None) -> web.Application:
     """The aiohttp app; the engine loop starts and stops with it. `profile` overrides the
-    named one (calibration tries coefficients this way)."""
+    named one (`fit_cpu.window_correction` tries coefficients this way)."""
     app = web.Application(middlewares=[_errors])
-    app.cleanup_ctx.append(
-        _lifecycle(config, profile or make_profile(config.profile, config.coefficients))
-    )
+    app.cleanup_ctx.append(_lifecycle(config, profile or make_profile(config.profile)))
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)

@@ -293,11 +293,11 @@ async def probe_ttlt(url: str, model: str, seed: int = 0) -> list[float]:
     return out
 
 
-async def profile_probe(profile: str = "cpu-tiny-vllm", coefficients: object = None) -> list[float]:
+async def profile_probe(profile: str = "cpu-tiny-vllm") -> list[float]:
     """The speed probe against an in-process emulator running `profile` at time scale 1."""
     from loadgen.emulator.server import EmulatorConfig, create_app, make_runner
 
-    config = EmulatorConfig(profile=profile, coefficients=coefficients)
+    config = EmulatorConfig(profile=profile)
     runner, port = await make_runner(create_app(config), "127.0.0.1", 0)
     try:
         return await probe_ttlt(f"http://127.0.0.1:{port}", config.model)
@@ -317,7 +317,7 @@ async def speed_factor(url: str, model: str, reference: list[float], seed: int =
     """How slow the server at `url` is now against the profile whose probe is `reference`
     (`profile_probe`): the emulator's `time_scale` that matches it. A CPU's speed is a
     property of the machine and the moment (on the shared 2-core machine it drifted between
-    0.61 and 0.81 of the committed profile within minutes), the profile's coefficients are
+    0.61 and 0.95 of the committed profile within minutes), the profile's coefficients are
     its shape: how an iteration's time grows with batch, context and prefill."""
     return speed_ratio(await probe_ttlt(url, model, seed=seed), reference)
 

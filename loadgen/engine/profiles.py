@@ -10,8 +10,7 @@ error. Add one by subclassing `LatencyProfile` (a CPU profile, another GPU) and 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 _PROFILES: dict[str, type[LatencyProfile]] = {}
@@ -29,12 +28,6 @@ class LatencyProfile:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     grid_s: ClassVar[float | None] = None
-
-    @classmethod
-    def with_coefficients(cls, coefficients: object) -> LatencyProfile:
-        """An instance with explicit coefficients instead of the committed ones (profiles
-        fitted from measurements override this; e.g. a test calibrated on its own server)."""
-        raise ValueError(f"latency profile {cls.name!r} takes no coefficients")
 
     def request_overhead_s(self, n_running: int) -> float:
         """Wall time between a request reaching the server and reaching the engine while
@@ -88,14 +81,13 @@ def profile_names() -> list[str]:
     return sorted(_PROFILES)
 
 
-def make_profile(name: str, coefficients: object | None = None) -> LatencyProfile:
-    """A fresh instance of the profile registered under `name`, with its committed
-    coefficients or, when given, `coefficients` (`CpuTinyCoefficients` for `cpu-tiny-vllm`)."""
+def make_profile(name: str) -> LatencyProfile:
+    """A fresh instance of the profile registered under `name`."""
     try:
         cls = _PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown latency profile {name!r}; known: {profile_names()}") from None
-    return cls() if coefficients is None else cls.with_coefficients(coefficients)
+    return cls()
 
 
 @register_profile
@@ -191,13 +183,6 @@ class CpuTinyCoefficients:
     overhead_per_running_ms: float = 0.881
     """Extra request overhead per request already streaming (the API server is busier)."""
 
-    @classmethod
-    def from_values(cls, values: Mapping[str, float]) -> CpuTinyCoefficients:
-        """The coefficients named in `values` (e.g. `fit_cpu.calibrate`'s output; other keys
-        are ignored, missing ones keep the committed value)."""
-        names = [f.name for f in fields(cls)]
-        return cls(**{n: float(values[n]) for n in names if n in values})
-
 
 CPU_TINY_VLLM = CpuTinyCoefficients()
 
@@ -215,12 +200,6 @@ class CpuTinyVllm(LatencyProfile):
 
     def __init__(self, k: CpuTinyCoefficients = CPU_TINY_VLLM) -> None:
         self.k = k
-
-    @classmethod
-    def with_coefficients(cls, coefficients: object) -> CpuTinyVllm:
-        if not isinstance(coefficients, CpuTinyCoefficients):
-            raise ValueError(f"{cls.name!r} takes CpuTinyCoefficients, not {coefficients!r}")
-        return cls(coefficients)
 
     def request_overhead_s(self, n_running: int) -> float:
         k = self.k
