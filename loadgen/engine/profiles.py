@@ -90,6 +90,35 @@ def make_profile(name: str) -> LatencyProfile:
     return cls()
 
 
+class Scaled(LatencyProfile):
+    """`inner` on a machine `factor` times slower (0.7: 30% faster): every time, the request
+    overhead included, multiplied by `factor`. The simulator's counterpart of the emulator's
+    time scale, e.g. at the speed `loadgen.engine.fit_cpu.speed_factor` measured on a server.
+    Not for grid profiles (a discrete-step model has no speed)."""
+
+    name = "scaled"
+    description = "another profile at a measured speed"
+
+    def __init__(self, inner: LatencyProfile, factor: float) -> None:
+        if inner.grid_s is not None:
+            raise ValueError(f"{inner.name!r} is a discrete-step profile; it cannot be scaled")
+        if not factor > 0:
+            raise ValueError("a profile's speed factor must be positive")
+        self.inner, self.factor = inner, factor
+
+    def request_overhead_s(self, n_running: int) -> float:
+        return self.inner.request_overhead_s(n_running) * self.factor
+
+    def iteration_s(self, n_decode: int, decode_context: int, prefill_tokens: int) -> float:
+        return self.inner.iteration_s(n_decode, decode_context, prefill_tokens) * self.factor
+
+    def decode_run_s(self, n_decode: int, decode_context: int, steps: int) -> float:
+        return self.inner.decode_run_s(n_decode, decode_context, steps) * self.factor
+
+    def steps_within(self, n_decode: int, decode_context: int, budget_s: float) -> int:
+        return self.inner.steps_within(n_decode, decode_context, budget_s / self.factor)
+
+
 @register_profile
 class LsspConstant(LatencyProfile):
     """The portability paper's model: every iteration takes 1 ms, prefill is free."""

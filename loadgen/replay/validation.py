@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from loadgen.engine.profiles import LatencyProfile
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.report import summarize_replay
 from loadgen.schema import TraceRequest
@@ -34,7 +35,7 @@ def window_trace(source: str, window: int, n: int, max_prompt: int, max_output: 
 
 def simulated_ttlt(
     requests: Sequence[ReplayRequest],
-    profile: str,
+    profile: str | LatencyProfile,
     arms: Mapping[str, tuple[str, int | None]],
     engine: Any = None,
 ) -> dict[str, float]:
@@ -59,7 +60,7 @@ def simulated_ttlt(
 
 def simulated_gain(
     requests: Sequence[ReplayRequest],
-    profile: str,
+    profile: str | LatencyProfile,
     cap: int,
     engine: Any = None,
     policies: Sequence[str] = ("sagesched",),
@@ -80,7 +81,7 @@ CAP_CANDIDATES = (2, 4, 8, 16, 32)
 
 def recommend_cap(
     requests: Sequence[ReplayRequest],
-    profile: str,
+    profile: str | LatencyProfile,
     caps: Sequence[int] = CAP_CANDIDATES,
     engine: Any = None,
 ) -> tuple[int, dict[int, float]]:

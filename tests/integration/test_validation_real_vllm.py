@@ -14,15 +14,18 @@ outputs at 128) is replayed with real ShareGPT prompts padded to the trace's pro
 forms. Runs: straight at vLLM, through the gateway with SageSched, through the gateway with
 FCFS at the same cap (reported: what the policy adds beyond the cap), straight at vLLM again.
 The cap is the simulator's recommendation for these requests (`recommend_cap`). The measured
-ratios and the simulator's predictions (`cpu-tiny-vllm`) are written to
+ratios and the simulator's predictions (`cpu-tiny-vllm` as committed, and at the engine
+host's speed probed before and after the runs, `fit_cpu.speed_factor`) are written to
 `.cache/validation.json` and recorded in docs/validation.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +34,8 @@ from typing import Any
 import pytest
 
 from loadgen.demo.run import ONE_THREAD, gateway_config, write_warm_set
+from loadgen.engine.fit_cpu import profile_probe, speed_factor
+from loadgen.engine.profiles import Scaled, make_profile
 from loadgen.procs import Children, free_port, sagesched
 from loadgen.replay.cli import run
 from loadgen.replay.client import ReplayRequest, ReplayResult
@@ -99,6 +104,10 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
     run(server.url, server.name, warm, progress=False)
     load = os.getloadavg()[0]
+    # the engine host's speed against the profile, before and after the runs (the simulator
+    # is also run at it: the profile was fitted with vLLM on both cores)
+    reference = asyncio.run(profile_probe(PROFILE))
+    speeds = [asyncio.run(speed_factor(server.url, server.name, reference, seed=50))]
     # Each run's prompts start with their own tag, so vLLM's prefix cache never serves one
     # run's prefill from an earlier run's. The machine's speed drifts: the gateway runs sit
     # between two direct runs and are compared with both together.
@@ -106,9 +115,12 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     via = through_gateway(server, tagged(reqs, "beta"), "sagesched", cap, tmp)
     via_fcfs = through_gateway(server, tagged(reqs, "delta"), "fcfs", cap, tmp)
     direct += run(server.url, server.name, tagged(reqs, "gamma"), progress=False)
+    speeds.append(asyncio.run(speed_factor(server.url, server.name, reference, seed=51)))
     measured = measured_gain(direct, via)
     fcfs = measured_gain(direct, via_fcfs)
     simulated = simulated_gain(reqs, PROFILE, cap, policies=("sagesched", "fcfs"))
+    at_speed = Scaled(make_profile(PROFILE), statistics.fmean(speeds))
+    simulated_at_speed = simulated_gain(reqs, at_speed, cap, policies=("sagesched", "fcfs"))
     result: dict[str, Any] = {
         "window": WINDOW,
         "cpus": {"engine": server.cpus, "front_end": sorted(os.sched_getaffinity(0))},
@@ -123,8 +135,11 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
         "simulated_cpu_tiny_vllm": simulated,
         "simulated_sagesched_over_gateway_fcfs": simulated["gateway_ttlt_mean_s"]
         / simulated["gateway_fcfs_ttlt_mean_s"],
+        "probed_speeds": speeds,
+        "simulated_at_probed_speed": simulated_at_speed,
         "gain_measured": 1 - measured["ratio"],
         "gain_simulated": 1 - simulated["ratio"],
+        "gain_simulated_at_probed_speed": 1 - simulated_at_speed["ratio"],
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     (CACHE / "validation.json").write_text(json.dumps(result, indent=1))

@@ -1,4 +1,4 @@
-"""Latency profiles: registry, the constant-step model, and the H200 fit."""
+"""Latency profiles: registry, the constant-step model, the H200 fit, and scaled profiles."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from loadgen.engine import fit_h200
 from loadgen.engine.profiles import (
     H200_LLAMA3_8B,
     LatencyProfile,
+    Scaled,
     make_profile,
     profile_names,
     register_profile,
@@ -68,3 +69,36 @@ def test_fit_script_reproduces_the_committed_coefficients() -> None:
     assert fitted["prefill"]["per_tok_ms"] == pytest.approx(k.prefill_per_tok_ms, rel=1e-4)
     assert fitted["mixed"]["a_ms"] == pytest.approx(k.mixed_a_ms, rel=1e-4)
     assert max(r["max_rel_err"] for r in fitted.values()) < 0.08
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.73, 2.0])
+def test_scaled_profile_multiplies_every_time(factor: float) -> None:
+    inner = make_profile("cpu-tiny-vllm")
+    fast = Scaled(inner, factor)
+    assert fast.request_overhead_s(3) == pytest.approx(inner.request_overhead_s(3) * factor)
+    assert fast.iteration_s(4, 900, 128) == pytest.approx(inner.iteration_s(4, 900, 128) * factor)
+    assert fast.decode_run_s(4, 900, 37) == pytest.approx(inner.decode_run_s(4, 900, 37) * factor)
+    # steps_within stays the smallest k whose scaled run reaches the budget
+    k = fast.steps_within(4, 900, 0.25)
+    assert fast.decode_run_s(4, 900, k) >= 0.25 > fast.decode_run_s(4, 900, k - 1)
+
+
+def test_scaled_profile_slows_the_simulation_and_refuses_grid_profiles() -> None:
+    from loadgen.engine.configs import engine_config
+    from loadgen.replay.prompts import synthetic_window
+    from loadgen.sim.simulator import Contender, simulate
+    from policies.registry import parse_policy
+
+    trace = synthetic_window(n=40, rate_per_s=4.0, seed=3)
+    inner = make_profile("cpu-tiny-vllm")
+
+    def last_finish(profile: LatencyProfile) -> float:
+        fcfs = Contender("fcfs", parse_policy("fcfs"), engine_config("vllm-fcfs"), None)
+        res = simulate(trace, fcfs, profile)
+        return max(r.finish_s for r in res.records)
+
+    assert last_finish(Scaled(inner, 2.0)) > last_finish(inner) > last_finish(Scaled(inner, 0.5))
+    with pytest.raises(ValueError, match="discrete-step"):
+        Scaled(make_profile("lssp-constant"), 0.5)
+    with pytest.raises(ValueError, match="positive"):
+        Scaled(inner, 0.0)
