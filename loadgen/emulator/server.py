@@ -77,7 +77,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 
 def create_app(config: EmulatorConfig, profile: LatencyProfile | None = None) -> web.Application:
     """The aiohttp app; the engine loop starts and stops with it. `profile` overrides the
-    named one (`fit_cpu.window_correction` tries coefficients this way)."""
+    named one (`fit_cpu.emulated` runs fitted coefficients this way)."""
     app = web.Application(middlewares=[_errors])
     app.cleanup_ctx.append(_lifecycle(config, profile or make_profile(config.profile)))
     app.router.add_post("/v1/chat/completions", _chat)

@@ -35,15 +35,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from loadgen.engine.profiles import LatencyProfile
 
 DEFAULT_OUT = Path(__file__).with_name("cpu_tiny_vllm_measurements.json")
 DECODE_CASES = ((16, (1, 2, 4, 8, 16, 32, 64, 96)), (768, (1, 4, 16, 32)))
@@ -92,19 +97,26 @@ def _prefill_ms(rows: list[dict[str, Any]], tokens: int) -> float:
     return full * float(np.interp(2048, xs, ys)) + (float(np.interp(rest, xs, ys)) if rest else 0)
 
 
-async def decode_row(
-    c: Any, model: str, rng: random.Random, p: int, b: int, rows: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """One decode row: B streams sent at once; (TTLT − prefill of the B prompts) / (T − 1),
-    median over streams.
+async def streams_ttlt(
+    c: Any, model: str, rng: random.Random, b: int, p: int, tokens: int
+) -> float:
+    """Median TTLT (s) over B streams sent at once (P-token random prompts, `tokens` each).
 
     Only the last chunk's time is used: on a busy CPU the API server delivers chunks in
     bursts (the first chunk can arrive with the twentieth), so gaps mislead."""
     t0 = time.perf_counter()
     runs = await asyncio.gather(
-        *(stream_times(c, model, random_prompt(rng, p), DECODE_TOKENS) for _ in range(b))
+        *(stream_times(c, model, random_prompt(rng, p), tokens) for _ in range(b))
     )
-    ttlt_ms = statistics.median(r[-1] - t0 for r in runs) * 1000
+    return statistics.median(r[-1] - t0 for r in runs)
+
+
+async def decode_row(
+    c: Any, model: str, rng: random.Random, p: int, b: int, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One decode row: B streams sent at once; (median TTLT − prefill of the B prompts) /
+    (T − 1)."""
+    ttlt_ms = await streams_ttlt(c, model, rng, b, p, DECODE_TOKENS) * 1000
     ms = (ttlt_ms - _prefill_ms(rows, b * p)) / (DECODE_TOKENS - 1)
     return {"kind": "decode", "B": b, "ctx": b * (p + DECODE_TOKENS / 2), "P": 0,
             "ms": max(ms, 0.1)}  # fmt: skip
@@ -190,7 +202,7 @@ def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-CAL_WINDOW = {"n": 40, "rate_per_s": 3.0, "seed": 1}
+CAL_WINDOW: dict[str, Any] = {"n": 40, "rate_per_s": 3.0, "seed": 1}
 """The window-correction replay (the fidelity test replays seed 4, not this one)."""
 WINDOW_PASSES = 3
 """vLLM replays of the window; medians over them."""
@@ -205,55 +217,54 @@ def _window_stats(records: list[Any]) -> dict[str, float]:
     }
 
 
-async def _emulate(window: list[Any], k: Any) -> dict[str, float]:
+@contextlib.asynccontextmanager
+async def emulated(profile: LatencyProfile) -> AsyncIterator[str]:
+    """The URL of an in-process emulator running `profile` at time scale 1, for the block.
+    (Imports the emulator: this is a script, not part of the engine model.)"""
     from loadgen.emulator.server import EmulatorConfig, create_app, make_runner
+
+    runner, port = await make_runner(create_app(EmulatorConfig(), profile), "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def _emulate(window: list[Any], k: Any) -> dict[str, float]:
     from loadgen.engine.profiles import CpuTinyVllm
     from loadgen.replay import replay_window as replay
 
-    app = create_app(EmulatorConfig(), CpuTinyVllm(k))
-    runner, port = await make_runner(app, "127.0.0.1", 0)
-    try:
-        return _window_stats(await replay(f"http://127.0.0.1:{port}", "tiny-llama", window))
-    finally:
-        await runner.cleanup()
+    async with emulated(CpuTinyVllm(k)) as url:
+        return _window_stats(await replay(url, "tiny-llama", window))
 
 
 async def window_correction(
     url: str,
     model: str,
     coefs: dict[str, float],
-    *,
-    passes: int = WINDOW_PASSES,
-    warm_up: bool = True,
-    cal_window: dict[str, Any] | None = None,
-    scale_on: str = "tpot_ms",
 ) -> dict[str, float]:
-    """Correct the fit on concurrent traffic: replay `CAL_WINDOW` on vLLM (`passes` times,
-    medians) and on the emulator; scale the iteration terms by the ratio of median TPOTs, then
-    shift the request overhead by the remaining difference of median TTFTs. (Imports the
-    emulator: this is a script, not part of the engine model.) `scale_on="ttlt_ms"` scales by
-    the ratio of median TTLTs instead: steadier where vLLM's first chunk sometimes arrives
-    late, bunched with later ones, which shortens (TTLT - TTFT) and so the TPOT."""
+    """Correct the fit on concurrent traffic: replay `CAL_WINDOW` on vLLM (`WINDOW_PASSES`
+    times, medians) and on the emulator; scale the iteration terms by the ratio of median
+    TPOTs, then shift the request overhead by the remaining difference of median TTFTs."""
     from dataclasses import replace
 
     from loadgen.engine.profiles import CpuTinyCoefficients
     from loadgen.replay import replay_window as replay
     from loadgen.replay import synthetic_window
 
-    window = synthetic_window(**(cal_window or CAL_WINDOW))
-    if warm_up:
-        await replay(url, model, synthetic_window(n=16, rate_per_s=4.0, seed=99))
+    window = synthetic_window(**CAL_WINDOW)
+    await replay(url, model, synthetic_window(n=16, rate_per_s=4.0, seed=99))  # warm-up
     # fresh prompts on every pass (prompt seeds 1, 2, ...): vLLM caches prefixes, and a
     # repeated prompt skips its prefill, which the emulator does not model
     real_passes = [
-        _window_stats(await replay(url, model, window, seed=i + 1)) for i in range(passes)
+        _window_stats(await replay(url, model, window, seed=i + 1)) for i in range(WINDOW_PASSES)
     ]
     real = {n: statistics.median(p[n] for p in real_passes) for n in real_passes[0]}
     names = ("a_ms", "per_seq_ms", "per_ctx_ms", "per_prefill_tok_ms", "request_overhead_ms",
              "overhead_per_running_ms")  # fmt: skip
     k = CpuTinyCoefficients(**{n: coefs[n] for n in names})
     emu = await _emulate(window, k)
-    s = real[scale_on] / emu[scale_on]
+    s = real["tpot_ms"] / emu["tpot_ms"]
     k = replace(k, a_ms=k.a_ms * s, per_seq_ms=k.per_seq_ms * s, per_ctx_ms=k.per_ctx_ms * s,
                 per_prefill_tok_ms=k.per_prefill_tok_ms * s)  # fmt: skip
     emu2 = await _emulate(window, k)
@@ -282,35 +293,17 @@ async def probe_ttlt(url: str, model: str, seed: int = 0) -> list[float]:
     out = []
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=3) as c:
         for b, p, tokens in SPEED_ROUNDS:
-            ttlt = []
-            for _ in range(SPEED_REPS):
-                t0 = time.perf_counter()
-                runs = await asyncio.gather(
-                    *(stream_times(c, model, random_prompt(rng, p), tokens) for _ in range(b))
-                )
-                ttlt.append(statistics.median(r[-1] - t0 for r in runs))
-            out.append(statistics.median(ttlt))
+            reps = [await streams_ttlt(c, model, rng, b, p, tokens) for _ in range(SPEED_REPS)]
+            out.append(statistics.median(reps))
     return out
 
 
 async def profile_probe(profile: str = "cpu-tiny-vllm") -> list[float]:
     """The speed probe against an in-process emulator running `profile` at time scale 1."""
-    from loadgen.emulator.server import EmulatorConfig, create_app, make_runner
+    from loadgen.engine.profiles import make_profile
 
-    config = EmulatorConfig(profile=profile)
-    runner, port = await make_runner(create_app(config), "127.0.0.1", 0)
-    try:
-        return await probe_ttlt(f"http://127.0.0.1:{port}", config.model)
-    finally:
-        await runner.cleanup()
-
-
-def speed_ratio(measured: list[float], reference: list[float]) -> float:
-    """Geometric mean over the probe's rounds of measured / reference TTLT."""
-    if not measured:
-        raise ValueError("an empty speed probe")
-    pairs = zip(measured, reference, strict=True)
-    return math.exp(statistics.fmean(math.log(m / r) for m, r in pairs))
+    async with emulated(make_profile(profile)) as url:
+        return await probe_ttlt(url, "tiny-llama")
 
 
 async def speed_factor(url: str, model: str, reference: list[float], seed: int = 0) -> float:
@@ -318,8 +311,14 @@ async def speed_factor(url: str, model: str, reference: list[float], seed: int =
     (`profile_probe`): the emulator's `time_scale` that matches it. A CPU's speed is a
     property of the machine and the moment (on the shared 2-core machine it drifted between
     0.61 and 0.95 of the committed profile within minutes), the profile's coefficients are
-    its shape: how an iteration's time grows with batch, context and prefill."""
-    return speed_ratio(await probe_ttlt(url, model, seed=seed), reference)
+    its shape: how an iteration's time grows with batch, context and prefill. The geometric
+    mean over the probe's rounds of measured / reference TTLT."""
+    pairs = zip(await probe_ttlt(url, model, seed=seed), reference, strict=True)
+    return math.exp(statistics.fmean(math.log(m / r) for m, r in pairs))
+
+
+async def _speed(url: str, model: str) -> float:
+    return await speed_factor(url, model, await profile_probe())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.speed:
         if not args.url:
             ap.error("--speed needs --url")
-        reference = asyncio.run(profile_probe())
-        scale = asyncio.run(speed_factor(args.url, args.model, reference))
+        scale = asyncio.run(_speed(args.url, args.model))
         print(json.dumps({"time_scale": round(scale, 3)}))
         return 0
     if args.rows:

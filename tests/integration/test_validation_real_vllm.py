@@ -104,8 +104,8 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
     run(server.url, server.name, warm, progress=False)
     load = os.getloadavg()[0]
-    # the engine host's speed against the profile, before and after the runs (the simulator
-    # is also run at it: the profile was fitted with vLLM on both cores)
+    # the engine host's speed against the profile, before and after the runs; the simulator
+    # is also run at it, to tell the machine's speed from the model's shape
     reference = asyncio.run(profile_probe(PROFILE))
     speeds = [asyncio.run(speed_factor(server.url, server.name, reference, seed=50))]
     # Each run's prompts start with their own tag, so vLLM's prefix cache never serves one
