@@ -7,7 +7,7 @@ decisions. Time is `time.monotonic()` seconds. Everything here runs on the event
 never awaits while it holds no lock: state changes are synchronous, so no locks are needed.
 
 A request's life: `submit` (admit, or 429) → `wait` (until a backend slot is granted, 503 on
-timeout, withdrawn if the client leaves) → `progress` per streamed token (rekey at review
+timeout, withdrawn if the client leaves) → `progress` per streamed token (at review
 points, maybe preempt someone) → `finish`, or `requeue` (preempted / retry elsewhere).
 """
 
@@ -219,11 +219,14 @@ class Dispatcher:
         ticket.backend = backend
         ticket.priority = None
         if self._config.forward_priority and backend.config.priority_scheduling:
-            key = sched.running_key(job)
+            # keys at each job's current attained service: one policy.key per job on this
+            # backend (tens of µs each), so a grant stays well under a millisecond
+            now = self._clock()
+            key = sched.running_key(job, now)
             ticket.priority = sum(
                 1
                 for other in sched.running.values()
-                if other.ctx.backend is backend and sched.running_key(other) < key
+                if other.ctx.backend is backend and sched.running_key(other, now) < key
             )
         assert ticket.future is not None and not ticket.future.done()
         ticket.future.set_result(backend)

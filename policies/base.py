@@ -58,14 +58,16 @@ class Policy(abc.ABC):
     def key(self, job: Job, now: float) -> Key:
         """Sort key of `job` at time `now`; lower is served first.
 
-        Called when the job is queued, when it reaches a review point, and (for preemptive
-        policies) for running jobs when the engine looks for a victim. Must be deterministic.
+        Called when the job is queued and whenever an engine compares a running job (victim
+        search, forwarded rank), then at the job's current `generated`: running keys are
+        computed when used, never stored. Must be deterministic and cheap (tens of µs).
         """
 
     def next_review(self, job: Job) -> int | None:
-        """Generated-token count at which `job`'s key must be recomputed, or None if never.
+        """Generated-token count at which a running `job`'s key may turn against it, or None.
 
-        Engines count streamed tokens and rekey when `job.generated` reaches this value.
+        Engines count streamed tokens and look for a preemption victim again when
+        `job.generated` reaches this value (on arrivals they look anyway).
         """
         return None
 

@@ -9,6 +9,14 @@ and calls the policy hooks in a fixed order:
     finish / cancel → on_finish
 
 so simulated and live runs make the same decisions for the same inputs.
+
+A running job's key is never stored: every decision that compares running jobs (the
+preemption victim, the forwarded rank) computes it at the job's current attained service
+(`running_key`). A key stored at the last review point goes stale as tokens stream (a Gittins
+index rises between support points, a predicted remaining length shrinks), and a stale key
+lets a waiting job preempt a running one that is in truth better. The review points still
+matter: they tell the engine when the running order may have turned against a running job,
+so it should look for a victim again (`progress` returns True).
 """
 
 from __future__ import annotations
@@ -21,13 +29,13 @@ from policies.queue import PolicyQueue
 class Scheduler:
     """Queue plus running set for one run. Not thread-safe: one event loop or one simulation."""
 
-    __slots__ = ("_review", "policy", "queue", "running")
+    __slots__ = ("_review_at", "policy", "queue", "running")
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy.fresh()
         self.queue = PolicyQueue(self.policy)
         self.running: dict[int, Job] = {}
-        self._review: dict[int, tuple[int | None, Key]] = {}  # running id -> (review at, key)
+        self._review_at: dict[int, int | None] = {}  # running id -> next review (tokens)
 
     def check(self, job: Job) -> None:
         """Raise ValueError if the policy cannot order `job` (missing prediction/oracle)."""
@@ -48,17 +56,18 @@ class Scheduler:
         if job is not None:
             self.running[job.id] = job
             self.policy.on_start(job, now)
-            self._review[job.id] = (self.policy.next_review(job), self.policy.key(job, now))
+            self._review_at[job.id] = self.policy.next_review(job)
         return job
 
     def progress(self, job: Job, new_tokens: int, now: float) -> bool:
-        """A running job generated `new_tokens` more tokens. True if its key was recomputed."""
+        """A running job generated `new_tokens` more tokens. True if it reached a review
+        point: its key may have risen, so the engine should look for a preemption victim."""
         job.generated += new_tokens
         self.policy.on_progress(job, new_tokens, now)
-        review = self._review.get(job.id)
-        if review is None or review[0] is None or job.generated < review[0]:
+        review_at = self._review_at.get(job.id)
+        if review_at is None or job.generated < review_at:
             return False
-        self._review[job.id] = (self.policy.next_review(job), self.policy.key(job, now))
+        self._review_at[job.id] = self.policy.next_review(job)
         return True
 
     def requeue(self, job: Job, now: float, *, preempted: bool) -> Key:
@@ -76,16 +85,26 @@ class Scheduler:
             self.queue.remove(job)
         self.policy.on_finish(job, now)
 
-    def running_key(self, job: Job) -> Key:
-        """A running job's key as of its last review point."""
-        return self._review[job.id][1]
+    def running_key(self, job: Job, now: float) -> Key:
+        """A running job's key at its current attained service (`job.generated`) and `now`.
+
+        Computed on every call, never cached: the key may depend on the time and on shared
+        policy state as well as on the tokens generated. One call is one `policy.key` (a
+        Gittins index over tens of support points: 10-20 µs), so a decision over dozens of
+        running jobs costs well under a millisecond.
+        """
+        if job.id not in self.running:
+            raise KeyError(f"job {job.id} is not running")
+        return self.policy.key(job, now)
 
     def preemption_victim(self, now: float, margin: float = 0.0) -> Job | None:
         """The running job the best waiting one should displace, or None.
 
         Only preemptive policies preempt, and only jobs the policy lets go (`can_be_preempted`).
-        The waiting job must beat the worst running key; with `margin` > 0 its primary key must
-        be lower by that fraction of the victim's (hysteresis against flapping).
+        The waiting job must beat the worst running key, computed at `now` and the job's
+        current attained service (one `policy.key` per candidate); with `margin` > 0 its
+        primary key must be lower by that fraction of the victim's (hysteresis against
+        flapping).
         """
         if not self.policy.preemptive or not self.running:
             return None
@@ -96,8 +115,10 @@ class Scheduler:
         candidates = [j for j in self.running.values() if self.policy.can_be_preempted(j)]
         if not candidates:
             return None
-        victim = max(candidates, key=lambda j: (self.running_key(j), j.arrival_s, j.id))
-        worst_key = self.running_key(victim)
+        worst_key, _, _, victim = max(
+            ((self.policy.key(j, now), j.arrival_s, j.id, j) for j in candidates),
+            key=lambda r: r[:3],
+        )
         if not best_key < worst_key:
             return None
         if margin > 0 and best_key[0] > worst_key[0] - margin * abs(worst_key[0]):
@@ -106,4 +127,4 @@ class Scheduler:
 
     def _stop(self, job: Job) -> None:
         del self.running[job.id]
-        self._review.pop(job.id, None)
+        self._review_at.pop(job.id, None)

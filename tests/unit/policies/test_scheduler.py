@@ -62,9 +62,9 @@ def test_progress_reports_review_points() -> None:
     j = Job(id=1, arrival_s=0, prompt_tokens=10, dist=LengthDist([4, 40, 400], [0.4, 0.3, 0.3]))
     s.admit(j, 0)
     s.dispatch(0)
-    before = s.running_key(j)
+    before = s.running_key(j, 0)
     assert [s.progress(j, 1, 0) for _ in range(4)] == [False, False, False, True]
-    assert s.running_key(j) != before
+    assert s.running_key(j, 0) != before
 
 
 def test_preemption_victim_is_worst_running_and_respects_margin() -> None:
@@ -89,3 +89,39 @@ def test_non_preemptive_policy_never_preempts() -> None:
     s.dispatch(0)
     s.admit(Job(id=2, arrival_s=1, prompt_tokens=1), 1)
     assert s.preemption_victim(1) is None
+
+
+def _running_sagesched(generated: int) -> tuple[Scheduler, Job]:
+    """The review's example: support [10, 100] (tokens cost), `generated` tokens done."""
+    s = Scheduler(make_policy("sagesched", cost="tokens"))
+    j = Job(id=1, arrival_s=0, prompt_tokens=1, dist=LengthDist([10, 100], [0.5, 0.5]))
+    s.admit(j, 0)
+    s.dispatch(0)
+    assert not any(s.progress(j, 1, 0) for _ in range(generated))  # no review point crossed
+    return s, j
+
+
+def test_running_key_is_current_between_review_points() -> None:
+    s, j = _running_sagesched(9)
+    assert s.running_key(j, 1) == pytest.approx((-0.5,))  # 0.5 / (0.5·1 + 0.5·1), not −0.05
+    assert s.running_key(j, 1) == s.policy.key(j, 1)
+
+
+def test_stale_key_does_not_let_a_worse_job_preempt() -> None:
+    s, running = _running_sagesched(9)
+    # index 0.1 (a point at 10 tokens): beats the stale −0.05 but not the true −0.5
+    s.admit(Job(id=2, arrival_s=1, prompt_tokens=1, dist=LengthDist.point(10)), 1)
+    assert s.queue.key_of(next(iter(s.queue))) == pytest.approx((-0.1,))
+    assert s.preemption_victim(1) is None
+    assert s.running_key(running, 1) < s.queue.key_of(next(iter(s.queue)))
+
+
+def test_trail_compares_the_current_remaining_estimate() -> None:
+    s = Scheduler(make_policy("trail"))
+    j = Job(id=1, arrival_s=0, prompt_tokens=1, dist=LengthDist([20, 200], [0.5, 0.5]))
+    s.admit(j, 0)
+    s.dispatch(0)  # key 20 (median 20, nothing generated); next review at 10 (preempt limit)
+    assert not any(s.progress(j, 1, 0) for _ in range(9))
+    assert s.running_key(j, 1) == (11.0,)
+    s.admit(Job(id=2, arrival_s=1, prompt_tokens=1, dist=LengthDist.point(15)), 1)
+    assert s.preemption_victim(1) is None  # 15 beats the stale 20, not the true 11
