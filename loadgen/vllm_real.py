@@ -18,6 +18,10 @@ machine (30 requests at 2/s, 4 replays each): vLLM's own TTFT 0.04-0.06 s in bot
 the client's mean TTFT 0.29-0.61 s with "mp" (median jumping between 0.07 and 0.47 s) and
 0.044-0.061 s with "uni" (median 0.032-0.041 s).
 
+`RealVllm.quiet()`: for a timing measurement, every other `RealVllm` of this process is
+suspended (SIGSTOP to its process group) for the block and resumed after, so an idle server
+of a session fixture takes no CPU from the measured one.
+
 `RealVllm(cpus=...)` pins the server (all its processes and its OpenMP threads) to some CPUs;
 `split_cpus()` divides this machine into an "engine host" and a "front-end host" for the
 client and the gateway, as in a deployment where the gateway does not share the engine's
@@ -38,9 +42,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection
+import weakref
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import ClassVar
 
 from loadgen.procs import free_port, stop_group, wait_http
 
@@ -131,6 +137,9 @@ def split_cpus() -> tuple[set[int], set[int]]:
 class RealVllm:
     """One vLLM CPU server process (its own process group); a context manager."""
 
+    _live: ClassVar[weakref.WeakSet[RealVllm]] = weakref.WeakSet()
+    """The started servers of this process (for `quiet`)."""
+
     def __init__(
         self,
         *,
@@ -194,11 +203,32 @@ class RealVllm:
         except BaseException:
             self.stop()
             raise
+        RealVllm._live.add(self)
         return self
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[RealVllm]:
+        """This server alone for the block: every other started `RealVllm` of this process
+        is stopped with SIGSTOP (its whole process group) and continued after, however the
+        block ends."""
+        others = [s for s in list(RealVllm._live) if s is not self and s.proc is not None]
+        stopped = []
+        try:
+            for other in others:
+                assert other.proc is not None
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(other.proc.pid, signal.SIGSTOP)
+                    stopped.append(other.proc.pid)
+            yield self
+        finally:
+            for pgid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGCONT)
 
     def stop(self, *, grace_s: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL it after `grace_s` (idempotent)."""
         proc, self.proc = self.proc, None
+        RealVllm._live.discard(self)
         if proc is not None:
             stop_group(proc, grace_s)
 

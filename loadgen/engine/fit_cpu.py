@@ -25,10 +25,16 @@ profile reads a + b·B + c·ΣL + d·P as the iteration time and e as a per-requ
 API server's work before the engine sees a request: it delays a request's first token but
 runs beside other requests' iterations, so it is not charged to them).
 
-Speed: the same probe (a few rounds of 1, 2 and 4 concurrent streams) sent to the server and to
-the emulator running the profile; the geometric mean of the TTLT ratios is the emulator's
-time scale for this machine now. The coefficients carry the engine's shape, the time scale
-the machine's speed of the moment, which on a shared CPU drifts by tens of percent.
+Window fit (`fit_window`, what the fidelity test uses): a window of traffic replayed on the
+server and on the emulator at time scale 1; the ratio of median TPOTs is the speed, and the
+request overhead is shifted to meet the median TTFT. The coefficients carry the engine's
+shape; speed and overhead are what differ between machines of one kind and, on a shared CPU,
+from one minute to the next.
+
+Speed probe (`speed_factor`, `--speed`): a few rounds of 1, 2 and 4 concurrent streams of
+128-token prompts sent to the server and to the emulator; the geometric mean of the TTLT
+ratios. Cheaper, but its fixed prompts miss what a window's varied prompts cost (on one
+machine it read 1.7-2.3 while the window ran 3x slower than the profile; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,13 +48,20 @@ import random
 import statistics
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from loadgen.engine.profiles import LatencyProfile
+from loadgen.engine.profiles import (
+    CPU_TINY_VLLM,
+    CpuTinyCoefficients,
+    CpuTinyVllm,
+    LatencyProfile,
+    Scaled,
+    make_profile,
+)
 
 DEFAULT_OUT = Path(__file__).with_name("cpu_tiny_vllm_measurements.json")
 DECODE_CASES = ((16, (1, 2, 4, 8, 16, 32, 64, 96)), (768, (1, 4, 16, 32)))
@@ -82,8 +95,6 @@ async def stream_times(client: Any, model: str, prompt: list[int], tokens: int) 
 def prefill_model_ms(tokens: int) -> float:
     """What the committed profile predicts for a lone request's TTFT with `tokens` prompt
     tokens (request overhead + one iteration), in ms."""
-    from loadgen.engine.profiles import make_profile
-
     prof = make_profile("cpu-tiny-vllm")
     return (prof.request_overhead_s(0) + prof.iteration_s(0, 0, tokens)) * 1000
 
@@ -202,19 +213,53 @@ def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-CAL_WINDOW: dict[str, Any] = {"n": 40, "rate_per_s": 3.0, "seed": 1}
-"""The window-correction replay (the fidelity test replays seed 4, not this one)."""
+CAL_WINDOW: dict[str, Any] = {"n": 30, "rate_per_s": 2.5, "seed": 1}
+"""The calibration window (`synthetic_window` arguments): the fidelity test fits on it and
+checks on another window (seed 4), so the check never sees the requests it was fitted on."""
 WINDOW_PASSES = 3
-"""vLLM replays of the window; medians over them."""
+"""vLLM replays of the calibration window for `--window-correction`; medians over them."""
 
 
-def _window_stats(records: list[Any]) -> dict[str, float]:
-    tpot = [(r.ttlt_s - r.ttft_s) / (r.output_tokens - 1) for r in records if r.output_tokens > 1]
+def window_stats(records: list[Any]) -> dict[str, float]:
+    """Median TTFT, TPOT (first to last token over the tokens after the first) and TTLT of a
+    replay's successful requests, in ms."""
+    ok = [r for r in records if r.ok and r.first_token_s is not None]
+    tpot = [(r.ttlt_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "ttft_ms": statistics.median(r.ttft_s for r in records) * 1000,
+        "ttft_ms": statistics.median(r.ttft_s for r in ok) * 1000,
         "tpot_ms": statistics.median(tpot) * 1000,
-        "ttlt_ms": statistics.median(r.ttlt_s for r in records) * 1000,
+        "ttlt_ms": statistics.median(r.ttlt_s for r in ok) * 1000,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class WindowFit:
+    """What differs between two machines of one kind, fitted on a replayed window: the speed
+    of an iteration (`time_scale`, every iteration term times it) and the API server's fixed
+    work per request (`request_overhead_ms`, at time scale 1). The committed coefficients keep
+    the profile's shape: how an iteration grows with batch, context and prefill."""
+
+    time_scale: float
+    request_overhead_ms: float
+
+    def profile(self, k: CpuTinyCoefficients | None = None) -> LatencyProfile:
+        """`cpu-tiny-vllm` (or coefficients `k`) with this overhead, at this speed."""
+        base = replace(k or CPU_TINY_VLLM, request_overhead_ms=self.request_overhead_ms)
+        return Scaled(CpuTinyVllm(base), self.time_scale)
+
+
+def fit_window(
+    real: dict[str, float], emulated: dict[str, float], k: CpuTinyCoefficients | None = None
+) -> WindowFit:
+    """Fit `WindowFit` from `window_stats` of one window replayed on the server (`real`) and on
+    the emulator running coefficients `k` (default: committed) at time scale 1 (`emulated`).
+
+    The median TPOT is iteration time, so their ratio is the speed s. At speed s the emulated
+    TTFT is about s·(overhead + the rest); the overhead is shifted so that it meets the
+    measured TTFT: e' = e + TTFT_real / s − TTFT_emulated (never below zero)."""
+    e = (k or CPU_TINY_VLLM).request_overhead_ms
+    s = real["tpot_ms"] / emulated["tpot_ms"]
+    return WindowFit(s, max(0.0, e + real["ttft_ms"] / s - emulated["ttft_ms"]))
 
 
 @contextlib.asynccontextmanager
@@ -230,25 +275,18 @@ async def emulated(profile: LatencyProfile) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-async def _emulate(window: list[Any], k: Any) -> dict[str, float]:
-    from loadgen.engine.profiles import CpuTinyVllm
+async def emulate_window(profile: LatencyProfile, window: list[Any]) -> dict[str, float]:
+    """`window_stats` of `window` replayed on an in-process emulator running `profile`."""
     from loadgen.replay import replay_window as replay
 
-    async with emulated(CpuTinyVllm(k)) as url:
-        return _window_stats(await replay(url, "tiny-llama", window))
+    async with emulated(profile) as url:
+        return window_stats(await replay(url, "tiny-llama", window))
 
 
-async def window_correction(
-    url: str,
-    model: str,
-    coefs: dict[str, float],
-) -> dict[str, float]:
-    """Correct the fit on concurrent traffic: replay `CAL_WINDOW` on vLLM (`WINDOW_PASSES`
-    times, medians) and on the emulator; scale the iteration terms by the ratio of median
-    TPOTs, then shift the request overhead by the remaining difference of median TTFTs."""
-    from dataclasses import replace
-
-    from loadgen.engine.profiles import CpuTinyCoefficients
+async def window_correction(url: str, model: str, coefs: dict[str, float]) -> dict[str, float]:
+    """Coefficients `coefs` corrected on concurrent traffic (`--window-correction`): replay
+    `CAL_WINDOW` on the server (`WINDOW_PASSES` times, medians) and on the emulator, then
+    `fit_window`; the iteration terms are multiplied by the fitted speed."""
     from loadgen.replay import replay_window as replay
     from loadgen.replay import synthetic_window
 
@@ -256,22 +294,20 @@ async def window_correction(
     await replay(url, model, synthetic_window(n=16, rate_per_s=4.0, seed=99))  # warm-up
     # fresh prompts on every pass (prompt seeds 1, 2, ...): vLLM caches prefixes, and a
     # repeated prompt skips its prefill, which the emulator does not model
-    real_passes = [
-        _window_stats(await replay(url, model, window, seed=i + 1)) for i in range(WINDOW_PASSES)
-    ]
-    real = {n: statistics.median(p[n] for p in real_passes) for n in real_passes[0]}
+    seeds = range(1, WINDOW_PASSES + 1)
+    passes = [window_stats(await replay(url, model, window, seed=i)) for i in seeds]
+    real = {n: statistics.median(p[n] for p in passes) for n in passes[0]}
     names = ("a_ms", "per_seq_ms", "per_ctx_ms", "per_prefill_tok_ms", "request_overhead_ms",
              "overhead_per_running_ms")  # fmt: skip
     k = CpuTinyCoefficients(**{n: coefs[n] for n in names})
-    emu = await _emulate(window, k)
-    s = real["tpot_ms"] / emu["tpot_ms"]
+    emu = await emulate_window(CpuTinyVllm(k), window)
+    fitted = fit_window(real, emu, k)
+    s = fitted.time_scale
     k = replace(k, a_ms=k.a_ms * s, per_seq_ms=k.per_seq_ms * s, per_ctx_ms=k.per_ctx_ms * s,
-                per_prefill_tok_ms=k.per_prefill_tok_ms * s)  # fmt: skip
-    emu2 = await _emulate(window, k)
-    shift = real["ttft_ms"] - emu2["ttft_ms"]
-    k = replace(k, request_overhead_ms=max(0.0, k.request_overhead_ms + shift))
+                per_prefill_tok_ms=k.per_prefill_tok_ms * s,
+                request_overhead_ms=fitted.request_overhead_ms * s)  # fmt: skip
     out = {n: float(f"{getattr(k, n):.6g}") for n in names}
-    out |= {"tpot_scale": round(s, 3), "overhead_shift_ms": round(shift, 2)}
+    out |= {"tpot_scale": round(s, 3)}
     out |= {f"real_{n}": round(v, 2) for n, v in real.items()}
     out |= {f"emu_before_{n}": round(v, 2) for n, v in emu.items()}
     return out
@@ -300,8 +336,6 @@ async def probe_ttlt(url: str, model: str, seed: int = 0) -> list[float]:
 
 async def profile_probe(profile: str = "cpu-tiny-vllm") -> list[float]:
     """The speed probe against an in-process emulator running `profile` at time scale 1."""
-    from loadgen.engine.profiles import make_profile
-
     async with emulated(make_profile(profile)) as url:
         return await probe_ttlt(url, "tiny-llama")
 

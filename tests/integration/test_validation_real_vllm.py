@@ -11,56 +11,53 @@ every cap).
 The window (LSSP Azure-2024 window 0, first 80 requests, prompts capped at 1,800 tokens and
 outputs at 128) is replayed with real ShareGPT prompts padded to the trace's prompt lengths
 (exact, through vLLM's /tokenize), at load factor 1.0 (80 requests in 3.75 s), so a backlog
-forms. Runs: straight at vLLM, through the gateway with SageSched, through the gateway with
-FCFS at the same cap (reported: what the policy adds beyond the cap), straight at vLLM again.
-The cap is the simulator's recommendation for these requests (`recommend_cap`). The measured
-ratios and the simulator's predictions (`cpu-tiny-vllm` as committed, and at the engine
-host's speed probed before and after the runs, `fit_cpu.speed_factor`) are written to
-`.cache/validation.json` and recorded in docs/validation.md.
+forms. Three arms: straight at vLLM, through the gateway with SageSched, through the gateway
+with FCFS at the same cap (what the policy adds beyond the cap). They run in `PAIRS` rounds,
+the arms' order rotated each round (D S F, S F D, F D S), every run with its own prompt tag
+(vLLM caches prefixes) and every gateway fresh (a gateway that had learnt the previous
+round's identical prompts would be an oracle). A drift of the machine's speed hits every arm
+of a round alike; the assertion is on the median over the rounds of each round's ratio. The
+cap is the simulator's recommendation for these requests (`recommend_cap`; issue 15 replaces
+it with a self-tuning cap). Marker `timing`: `make test` runs it in its own pytest process on
+a pinned server with nothing else alive. Results go to `.cache/validation.json` and
+docs/validation.md.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from loadgen.demo.run import ONE_THREAD, gateway_config, write_warm_set
-from loadgen.engine.fit_cpu import profile_probe, speed_factor
-from loadgen.engine.profiles import Scaled, make_profile
 from loadgen.procs import Children, free_port, sagesched
 from loadgen.replay.cli import run
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.prompts import build_requests, synthetic_window, tokenize_counter
 from loadgen.replay.validation import measured_gain, recommend_cap, simulated_gain, window_trace
-from loadgen.vllm_real import CACHE, RealVllm, split_cpus
+from loadgen.vllm_real import CACHE, RealVllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 WINDOW = {"source": "lssp-azure2024", "window": 0, "n": 80, "max_prompt": 1800,
           "max_output": 128, "factor": 1.0}  # fmt: skip
 PROFILE = "cpu-tiny-vllm"
+PAIRS = 3
+ARMS = ("direct", "sagesched", "fcfs")
+TAGS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
+"""One prompt tag word per run (one BERT token each)."""
 
 
 def tagged(reqs: list[ReplayRequest], tag: str) -> list[ReplayRequest]:
     """The requests with `tag` in front of each prompt (one more token or two)."""
     return [dataclasses.replace(r, prompt=f"{tag} {r.prompt}") for r in reqs]
-
-
-@pytest.fixture(scope="module")
-def split_vllm() -> Iterator[tuple[RealVllm, set[int]]]:
-    """A vLLM server pinned to the engine CPUs, and the front-end CPUs."""
-    engine, front = split_cpus()
-    with RealVllm(cpus=engine, log_path=CACHE / "vllm-validation.log") as server:
-        yield server, front
 
 
 def through_gateway(
@@ -77,19 +74,16 @@ def through_gateway(
         return run(f"http://127.0.0.1:{port}", server.name, reqs, progress=False)
 
 
-def test_gateway_sagesched_beats_vllm_alone(
-    split_vllm: tuple[RealVllm, set[int]], tmp_path: Path
-) -> None:
-    server, front = split_vllm
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, front)  # the client, and the gateway it starts, on the front end
-    try:
-        result = validate(server, tmp_path)
-    finally:
-        os.sched_setaffinity(0, before)
-    measured = result["measured"]
-    assert measured["direct_failed"] == 0 and measured["gateway_failed"] == 0
-    assert measured["ratio"] < 1.0, f"gateway mean TTLT not below vLLM's: {result}"
+@pytest.mark.timing
+def test_gateway_sagesched_beats_vllm_alone(quiet_vllm: RealVllm, tmp_path: Path) -> None:
+    result = validate(quiet_vllm, tmp_path)
+    assert result["failed"] == 0, result
+    ratio = result["median"]["sagesched_over_direct"]
+    assert ratio < 1.0, f"gateway mean TTLT not below vLLM's (median of rounds): {result}"
+
+
+def mean_ttlt(results: Sequence[ReplayResult]) -> float:
+    return statistics.fmean(r.ttlt_s for r in results if r.ok)
 
 
 def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
@@ -104,42 +98,39 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
     run(server.url, server.name, warm, progress=False)
     load = os.getloadavg()[0]
-    # the engine host's speed against the profile, before and after the runs; the simulator
-    # is also run at it, to tell the machine's speed from the model's shape
-    reference = asyncio.run(profile_probe(PROFILE))
-    speeds = [asyncio.run(speed_factor(server.url, server.name, reference, seed=50))]
-    # Each run's prompts start with their own tag, so vLLM's prefix cache never serves one
-    # run's prefill from an earlier run's. The machine's speed drifts: the gateway runs sit
-    # between two direct runs and are compared with both together.
-    direct = run(server.url, server.name, tagged(reqs, "alpha"), progress=False)
-    via = through_gateway(server, tagged(reqs, "beta"), "sagesched", cap, tmp)
-    via_fcfs = through_gateway(server, tagged(reqs, "delta"), "fcfs", cap, tmp)
-    direct += run(server.url, server.name, tagged(reqs, "gamma"), progress=False)
-    speeds.append(asyncio.run(speed_factor(server.url, server.name, reference, seed=51)))
-    measured = measured_gain(direct, via)
-    fcfs = measured_gain(direct, via_fcfs)
+    rounds = []
+    for i in range(PAIRS):
+        runs: dict[str, list[ReplayResult]] = {}
+        for j, arm in enumerate(ARMS[i:] + ARMS[:i]):
+            sent = tagged(reqs, TAGS[i * len(ARMS) + j])
+            if arm == "direct":
+                runs[arm] = run(server.url, server.name, sent, progress=False)
+            else:
+                runs[arm] = through_gateway(server, sent, arm, cap, tmp)
+        ttlt = {arm: mean_ttlt(runs[arm]) for arm in ARMS}
+        rounds.append({
+            "order": list(runs),
+            "ttlt_mean_s": ttlt,
+            "sagesched_over_direct": ttlt["sagesched"] / ttlt["direct"],
+            "fcfs_over_direct": ttlt["fcfs"] / ttlt["direct"],
+            "sagesched_over_fcfs": ttlt["sagesched"] / ttlt["fcfs"],
+            "sagesched_detail": measured_gain(runs["direct"], runs["sagesched"]),
+            "failed": sum(not r.ok for rs in runs.values() for r in rs),
+        })  # fmt: skip
+    ratios = ("sagesched_over_direct", "fcfs_over_direct", "sagesched_over_fcfs")
     simulated = simulated_gain(reqs, PROFILE, cap, policies=("sagesched", "fcfs"))
-    at_speed = Scaled(make_profile(PROFILE), statistics.fmean(speeds))
-    simulated_at_speed = simulated_gain(reqs, at_speed, cap, policies=("sagesched", "fcfs"))
     result: dict[str, Any] = {
         "window": WINDOW,
         "cpus": {"engine": server.cpus, "front_end": sorted(os.sched_getaffinity(0))},
-        "gateway": {"policy": "sagesched", "max_inflight": cap, "warm": "sample (400 prompts)"},
+        "gateway": {"max_inflight": cap, "warm": "sample (400 prompts)", "fresh_per_run": True},
         "simulated_cap_sweep": sweep,
         "load_average_1m": load,
-        "measured": measured,
-        "measured_gateway_fcfs": {k: v for k, v in fcfs.items() if k.startswith("gateway")}
-        | {"ratio": fcfs["ratio"]},
-        "measured_sagesched_over_gateway_fcfs": measured["gateway_ttlt_mean_s"]
-        / fcfs["gateway_ttlt_mean_s"],
+        "rounds": rounds,
+        "median": {k: statistics.median(r[k] for r in rounds) for k in ratios},
+        "failed": sum(r["failed"] for r in rounds),
         "simulated_cpu_tiny_vllm": simulated,
         "simulated_sagesched_over_gateway_fcfs": simulated["gateway_ttlt_mean_s"]
         / simulated["gateway_fcfs_ttlt_mean_s"],
-        "probed_speeds": speeds,
-        "simulated_at_probed_speed": simulated_at_speed,
-        "gain_measured": 1 - measured["ratio"],
-        "gain_simulated": 1 - simulated["ratio"],
-        "gain_simulated_at_probed_speed": 1 - simulated_at_speed["ratio"],
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     (CACHE / "validation.json").write_text(json.dumps(result, indent=1))
