@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck unit bench-policies clean vllm-env system-deps
+.PHONY: test test-fast demo lint typecheck unit timing bench-policies clean vllm-env system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The timing tests (marker `timing`: fidelity and validation against the real vLLM CPU build)
+# run first, in their own pytest process, so that no other test's server or child is alive
+# while they measure; then everything else.
+timing: $(STAMP)
+	$(BIN)/pytest -m timing
+
 unit: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not timing"
+
+# The inner loop: lint, types and every test that needs no real engine or other slow server.
+test-fast: lint typecheck
+	$(BIN)/pytest -m "not slow"
 
 # The real vLLM CPU build (its own venv under .cache/, ~75 s and 3.4 GB once) and the tiny model;
 # the integration tests' fixture does the same on demand.
@@ -44,7 +54,7 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	else echo "please install the Debian packages:" $$missing; exit 1; fi
 
-test: lint typecheck system-deps vllm-env unit
+test: lint typecheck system-deps vllm-env timing unit
 
 # FCFS vs SageSched through the gateway on an emulated backend (no GPU, no network, < 3 min).
 demo: $(STAMP)

@@ -1,0 +1,90 @@
+"""The gating real-engine tests, N times back to back: pass count and margins.
+
+Each run is `pytest -m timing` in its own process, exactly as `make test` runs it first (one
+vLLM CPU server pinned to the engine CPUs, nothing else alive): the emulator's fidelity
+(median over 3 pairs of emulator/vLLM median TTFT and TTLT, asserted within 30%) and the
+gateway's gain (median over 3 rounds of gateway-SageSched / vLLM-alone mean TTLT, asserted
+below 1). After each run this reads what the tests wrote (`.cache/emulator-fidelity.json`,
+`.cache/validation.json`), prints one row, and appends it to `.cache/gating-runs.jsonl`.
+The last line is the pass count.
+
+Run: `.venv/bin/python bench/gating_runs.py [--runs 10]` (about 6 minutes a run; needs
+`make vllm-env`). Keep the machine otherwise idle: that is what the gate assumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadgen.vllm_real import CACHE, ROOT
+
+FIDELITY = CACHE / "emulator-fidelity.json"
+VALIDATION = CACHE / "validation.json"
+TOLERANCE = 0.30
+COLUMNS = ("run", "pytest", "s", "TTFT", "TTLT", "margin", "S/direct", "margin", "F/direct",
+           "S/F", "scale", "cap")  # fmt: skip
+
+
+def one_run(i: int) -> dict[str, Any]:
+    """One `pytest -m timing` process; what it measured."""
+    for f in (FIDELITY, VALIDATION):
+        f.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "timing", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    row: dict[str, Any] = {"run": i, "rc": proc.returncode, "s": round(time.monotonic() - t0)}
+    row["summary"] = (proc.stdout.strip().splitlines() or [""])[-1]
+    if FIDELITY.exists():
+        fid = json.loads(FIDELITY.read_text())
+        row["fidelity"] = fid["ratio"]
+        row["time_scales"] = [p["fit"]["time_scale"] for p in fid["pairs"]]
+    if VALIDATION.exists():
+        val = json.loads(VALIDATION.read_text())
+        row["validation"] = val["median"]
+        row["cap"] = val["gateway"]["max_inflight"]
+        row["rounds"] = [r["sagesched_over_direct"] for r in val["rounds"]]
+    return row
+
+
+def line(row: dict[str, Any]) -> str:
+    fid, val = row.get("fidelity", {}), row.get("validation", {})
+    ttft, ttlt = fid.get("ttft_ms", float("nan")), fid.get("ttlt_ms", float("nan"))
+    fid_margin = TOLERANCE - max(abs(ttft - 1), abs(ttlt - 1))
+    s_d = val.get("sagesched_over_direct", float("nan"))
+    scales = row.get("time_scales", [])
+    cells = [row["run"], "pass" if row["rc"] == 0 else f"FAIL ({row['rc']})", row["s"],
+             f"{ttft:.2f}", f"{ttlt:.2f}", f"{fid_margin:+.2f}", f"{s_d:.3f}",
+             f"{1 - s_d:+.3f}", f"{val.get('fcfs_over_direct', float('nan')):.3f}",
+             f"{val.get('sagesched_over_fcfs', float('nan')):.3f}",
+             "/".join(f"{x:.2f}" for x in scales), row.get("cap", "")]  # fmt: skip
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=CACHE / "gating-runs.jsonl")
+    args = ap.parse_args(argv)
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS), flush=True)
+    passed = 0
+    for i in range(1, args.runs + 1):
+        row = one_run(i)
+        passed += row["rc"] == 0
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(line(row), flush=True)
+    print(f"{passed} passed, {args.runs - passed} failed")
+    return 0 if passed == args.runs else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
