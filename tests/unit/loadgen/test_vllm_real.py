@@ -32,3 +32,30 @@ def test_split_cpus_gives_each_side_its_own_cpus() -> None:
         assert len(engine) <= len(front)
     else:
         assert engine == front == mine
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_quiet_suspends_every_other_server_and_resumes_it() -> None:
+    """`quiet()` stops the other live servers' process groups and continues them after,
+    even when the block raises (stand-in processes: `sleep` in a session of its own)."""
+    import subprocess
+
+    measured, other = RealVllm(port=1), RealVllm(port=2)
+    for s in (measured, other):
+        s.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        RealVllm._live.add(s)
+    assert other.proc is not None and measured.proc is not None
+    try:
+        with pytest.raises(RuntimeError), measured.quiet():
+            assert _state(other.proc.pid) == "T"
+            assert _state(measured.proc.pid) != "T"
+            raise RuntimeError("the measurement failed")
+        assert _state(other.proc.pid) != "T"
+    finally:
+        measured.stop(grace_s=1)
+        other.stop(grace_s=1)
+    assert not RealVllm._live
