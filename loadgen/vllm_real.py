@@ -134,6 +134,19 @@ def split_cpus() -> tuple[set[int], set[int]]:
     return set(mine[:half]), set(mine[half:])
 
 
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until process `pid` is in the stopped state (or gone, or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return
+        if stat.rsplit(")", 1)[1].split()[0] in ("T", "t", "Z"):
+            return
+        time.sleep(0.005)
+
+
 class RealVllm:
     """One vLLM CPU server process (its own process group); a context manager."""
 
@@ -219,6 +232,8 @@ class RealVllm:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(other.proc.pid, signal.SIGSTOP)
                     stopped.append(other.proc.pid)
+            for pgid in stopped:  # the signal is delivered when the process next runs
+                _wait_stopped(pgid)
             yield self
         finally:
             for pgid in stopped:
