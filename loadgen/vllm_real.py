@@ -224,14 +224,13 @@ class RealVllm:
         """This server alone for the block: every other started `RealVllm` of this process
         is stopped with SIGSTOP (its whole process group) and continued after, however the
         block ends."""
-        others = [s for s in list(RealVllm._live) if s is not self and s.proc is not None]
+        groups = [s.proc.pid for s in list(RealVllm._live) if s is not self and s.proc]
         stopped = []
         try:
-            for other in others:
-                assert other.proc is not None
+            for pgid in groups:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(other.proc.pid, signal.SIGSTOP)
-                    stopped.append(other.proc.pid)
+                    os.killpg(pgid, signal.SIGSTOP)
+                    stopped.append(pgid)
             for pgid in stopped:  # the signal is delivered when the process next runs
                 _wait_stopped(pgid)
             yield self

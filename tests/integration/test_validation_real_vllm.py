@@ -30,7 +30,6 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,8 @@ from loadgen.procs import Children, free_port, sagesched
 from loadgen.replay.cli import run
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.prompts import build_requests, synthetic_window, tokenize_counter
-from loadgen.replay.validation import measured_gain, recommend_cap, simulated_gain, window_trace
+from loadgen.replay.report import summarize_replay
+from loadgen.replay.validation import recommend_cap, simulated_gain, window_trace
 from loadgen.vllm_real import CACHE, RealVllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -82,10 +82,6 @@ def test_gateway_sagesched_beats_vllm_alone(quiet_vllm: RealVllm, tmp_path: Path
     assert ratio < 1.0, f"gateway mean TTLT not below vLLM's (median of rounds): {result}"
 
 
-def mean_ttlt(results: Sequence[ReplayResult]) -> float:
-    return statistics.fmean(r.ttlt_s for r in results if r.ok)
-
-
 def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     t_start = time.monotonic()
     count = tokenize_counter(server.url, server.name)
@@ -107,15 +103,17 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
                 runs[arm] = run(server.url, server.name, sent, progress=False)
             else:
                 runs[arm] = through_gateway(server, sent, arm, cap, tmp)
-        ttlt = {arm: mean_ttlt(runs[arm]) for arm in ARMS}
+        summary = {arm: summarize_replay(runs[arm]) for arm in ARMS}
+        ttlt = {arm: summary[arm]["e2el_s_mean"] for arm in ARMS}
         rounds.append({
             "order": list(runs),
             "ttlt_mean_s": ttlt,
             "sagesched_over_direct": ttlt["sagesched"] / ttlt["direct"],
             "fcfs_over_direct": ttlt["fcfs"] / ttlt["direct"],
             "sagesched_over_fcfs": ttlt["sagesched"] / ttlt["fcfs"],
-            "sagesched_detail": measured_gain(runs["direct"], runs["sagesched"]),
-            "failed": sum(not r.ok for rs in runs.values() for r in rs),
+            "ttft_mean_s": {arm: summary[arm]["ttft_s_mean"] for arm in ARMS},
+            "lag_p99_s": {arm: summary[arm]["lag_s_p99"] for arm in ARMS},
+            "failed": sum(summary[arm]["failed"] for arm in ARMS),
         })  # fmt: skip
     ratios = ("sagesched_over_direct", "fcfs_over_direct", "sagesched_over_fcfs")
     simulated = simulated_gain(reqs, PROFILE, cap, policies=("sagesched", "fcfs"))
