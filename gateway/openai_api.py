@@ -1,8 +1,10 @@
 """Validation of OpenAI request bodies and the upstream bodies the gateway sends.
 
-The gateway checks only what it relies on (model, messages/prompt, stream, token caps,
+The gateway checks only what it relies on (model, messages/prompt/input, stream, token caps,
 priority, stream options) and forwards every other field untouched, so new vLLM parameters
-pass through without a gateway release.
+pass through without a gateway release. Three kinds generate and are queued under the policy:
+`chat` (`/v1/chat/completions`), `completions` (`/v1/completions`) and `responses`
+(`/v1/responses`, relayed as it comes: never preempted, no usage chunk added).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from typing import Any, Literal
 
 from gateway.errors import InvalidRequest
 
-Kind = Literal["chat", "completions"]
+Kind = Literal["chat", "completions", "responses"]
+
+PATHS: dict[Kind, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+}
+"""The upstream route of each kind."""
 
 # A cheap prompt-size estimate (≈4 characters per token for English BPE vocabularies). The
 # scheduler only needs a magnitude for the kv cost model; vLLM's usage gives exact counts.
@@ -47,6 +56,14 @@ class Call:
             return False
         return self.kind == "chat" or isinstance(self.body.get("prompt"), str)
 
+    @property
+    def text_body(self) -> dict[str, Any]:
+        """The body in chat or completions form, for the predictor's text choice (a
+        responses `input` becomes `messages`)."""
+        if self.kind != "responses":
+            return self.body
+        return {"messages": _responses_messages(self.body)}
+
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """JSON object or `InvalidRequest`."""
@@ -69,10 +86,21 @@ def parse_call(kind: Kind, body: dict[str, Any], tenant: str | None = None) -> C
     wants_usage = bool(options and options.get("include_usage") is True)
     if options is not None and not stream:
         raise InvalidRequest("'stream_options' requires 'stream': true", param="stream_options")
-    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    if kind == "responses":
+        max_tokens = _positive_int(body, "max_output_tokens")
+    else:
+        max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(
+            body, "max_tokens"
+        )
+    _typed(body, "min_tokens", int, None)
     priority = _typed(body, "priority", int, 0)
     user = _typed(body, "user", str, None)
-    text = _chat_text(body) if kind == "chat" else _prompt_text(body)
+    if kind == "chat":
+        text = _chat_text(body)
+    elif kind == "completions":
+        text = _prompt_text(body)
+    else:
+        text = _chat_text({"messages": _responses_messages(body)})
     return Call(
         kind=kind,
         body=body,
@@ -131,11 +159,42 @@ def _prompt_text(body: dict[str, Any]) -> str:
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return "\n".join(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
         return " " * (len(prompt) * int(CHARS_PER_TOKEN))  # token ids: only the size matters
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and _ids(p) for p in prompt):
+        n = sum(len(p) for p in prompt)  # a batch of token-id prompts
+        return " " * (n * int(CHARS_PER_TOKEN))
     raise InvalidRequest(
         "'prompt' must be a string, a list of strings or token ids", param="prompt"
     )
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ids(values: list[Any]) -> bool:
+    return bool(values) and all(_is_ids(v) for v in values)
+
+
+def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A responses body's `instructions` and `input` as chat messages (text only)."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise InvalidRequest("'input' must be a string or a non-empty list", param="input")
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("role"), str):
+            content = item.get("content")
+            if isinstance(content, list):  # input_text / output_text parts
+                content = [p for p in content if isinstance(p, dict)]
+            messages.append({"role": item["role"], "content": content})
+    return messages or [{"role": "user", "content": ""}]
 
 
 def upstream_body(
@@ -145,10 +204,11 @@ def upstream_body(
 
     Always asks for the usage chunk when streaming (true output length for the predictor and
     metrics); sets or strips `priority` depending on the backend; and for a continuation
-    after preemption appends the text generated so far and lowers the token cap.
+    after preemption appends the text generated so far and lowers the token cap and
+    `min_tokens` by what was generated (vLLM rejects `min_tokens` above the cap).
     """
     body = dict(call.body)
-    if call.stream:
+    if call.stream and call.kind != "responses":
         body["stream_options"] = {**(call.body.get("stream_options") or {}), "include_usage": True}
     if priority is None:
         body.pop("priority", None)
@@ -160,6 +220,9 @@ def upstream_body(
         left = max(1, call.max_tokens - done_tokens)
         body.pop("max_tokens", None)
         body["max_completion_tokens" if call.kind == "chat" else "max_tokens"] = left
+    min_tokens = call.body.get("min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > 0:
+        body["min_tokens"] = max(0, min_tokens - done_tokens)
     if call.kind == "chat":
         body["messages"] = [*call.body["messages"], {"role": "assistant", "content": continuation}]
         body["continue_final_message"] = True

@@ -121,14 +121,24 @@ class EngineLoop:
         """Engine clock in virtual seconds."""
         return (asyncio.get_running_loop().time() - self._t0) / self.time_scale
 
-    def submit(self, prompt_tokens: int, output_tokens: int, priority: int = 0) -> EmuRequest:
+    def submit(
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        priority: int = 0,
+        *,
+        event: asyncio.Event | None = None,
+    ) -> EmuRequest:
         """Queue a request that will produce exactly `output_tokens` tokens (≥ 1). It reaches
-        the engine after the profile's `request_overhead_s` (× time scale)."""
+        the engine after the profile's `request_overhead_s` (× time scale). Sequences of one
+        response (`n` > 1, a batch of prompts) share one `event`, so one waiter sees them all."""
         loop = asyncio.get_running_loop()
         job = Job(next(self._ids), self.virtual_now(), max(1, prompt_tokens), priority=priority)
         job.max_tokens = output_tokens
         out = max(1, output_tokens)
         req = EmuRequest(Seq(job, out, float(out)), loop.time())
+        if event is not None:
+            req.event = event
         job.ctx = req
         self._active[job.id] = req
         n_running = len(self.engine.running)

@@ -1,6 +1,7 @@
 """The emulated vLLM server: an aiohttp app in front of an `EngineLoop`.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streaming and not), `GET
+Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streaming and not; `n` ≥ 1 and
+batches of prompts, one engine sequence per choice), `POST /tokenize`, `/detokenize`, `GET
 /v1/models`, `/health`, `/metrics`. A request is validated (`protocol.parse`), submitted to
 the engine loop, and answered as its tokens become visible. A client that goes away (the
 handler is cancelled, or a write fails) aborts its request in the engine, as vLLM does; run the
@@ -9,6 +10,7 @@ app with `handler_cancellation=True` (`make_runner` does) so a waiting request n
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -83,6 +85,8 @@ def create_app(config: EmulatorConfig, profile: LatencyProfile | None = None) ->
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
@@ -157,12 +161,16 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "completion")
 
 
-async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
-    state = request.app[STATE]
+async def _body(request: web.Request) -> Any:
     try:
-        body = await request.json()
+        return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise protocol.ProtocolError("request body is not valid JSON") from None
+
+
+async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await _body(request)
     cfg = state.config
     p = protocol.parse(
         kind,
@@ -172,74 +180,115 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         priority_on=cfg.priority_scheduling,
         reject_priority=cfg.reject_priority,
     )
-    req = state.loop.submit(p.prompt_tokens, p.output_tokens, p.priority)
+    event = asyncio.Event()  # one for all the response's sequences
+    reqs = [
+        state.loop.submit(a.prompt_tokens, a.output_tokens, p.priority, event=event)
+        for a in p.answers
+    ]
     try:
         if p.stream:
-            return await _stream(request, p, req)
-        return await _whole(p, req)
+            return await _stream(request, p, reqs, event)
+        return await _whole(p, reqs, event)
     finally:
         # client gone (cancelled handler, failed write) or server stopping: free the engine
-        state.loop.abort(req)
-        if not req.aborted:
-            _record_finish(state, p, req)
+        for req in reqs:
+            state.loop.abort(req)
+            if not req.aborted:
+                _record_finish(state, req, p.answers[0].finish_reason)
 
 
-def _record_finish(state: AppState, p: protocol.Parsed, req: EmuRequest) -> None:
+def _record_finish(state: AppState, req: EmuRequest, finish_reason: str) -> None:
     end = req.last_token_w or req.arrival_w
     queue = None if req.scheduled_w is None else req.scheduled_w - req.arrival_w
-    state.metrics.on_finish(p.prompt_tokens, end - req.arrival_w, queue, p.finish_reason)
+    state.metrics.on_finish(req.prompt_tokens, end - req.arrival_w, queue, finish_reason)
 
 
-async def _wait_done(req: EmuRequest) -> None:
-    while not req.done:
-        await req.event.wait()
-        req.event.clear()
-
-
-async def _whole(p: protocol.Parsed, req: EmuRequest) -> web.Response:
-    await _wait_done(req)
-    if req.emitted < req.output_tokens:
+async def _whole(p: protocol.Parsed, reqs: list[EmuRequest], event: asyncio.Event) -> web.Response:
+    while not all(req.done for req in reqs):
+        await event.wait()
+        event.clear()
+    if any(req.emitted < req.output_tokens for req in reqs):
         raise protocol.ProtocolError("the engine stopped", 503, "ServiceUnavailableError")
-    text = "".join(protocol.token_text(p.seed, i) for i in range(req.emitted))
+    texts = [a.text(0, req.emitted) for a, req in zip(p.answers, reqs, strict=True)]
     rid, created = protocol.new_id(p.kind), protocol.now_created()
-    return web.json_response(
-        protocol.full_body(p, rid, created, text, req.emitted, p.finish_reason)
-    )
+    n_tokens = sum(req.emitted for req in reqs)
+    return web.json_response(protocol.full_body(p, rid, created, texts, n_tokens))
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _stream(request: web.Request, p: protocol.Parsed, req: EmuRequest) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, p: protocol.Parsed, reqs: list[EmuRequest], event: asyncio.Event
+) -> web.StreamResponse:
+    """Chunks in the order tokens become visible; within an iteration, by choice index (as
+    vLLM sends them), one chunk per token per choice."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     rid, created = protocol.new_id(p.kind), protocol.now_created()
     if p.kind == "chat":
-        await resp.write(_sse(protocol.chunk(p, rid, created, None, None, role=True)))
-    sent = 0
-    while sent < req.output_tokens:
-        if req.emitted == sent:
-            if req.done:  # ended early (server stopping)
-                break
-            await req.event.wait()
-            req.event.clear()
-            continue
+        opening = (
+            protocol.chunk(p, rid, created, None, None, index=a.index, role=True) for a in p.answers
+        )
+        await resp.write(b"".join(_sse(c) for c in opening))
+    sent = [0] * len(reqs)
+    while True:
         parts = []
-        for i in range(sent, req.emitted):
-            last = i == req.output_tokens - 1
-            text = protocol.token_text(p.seed, i)
-            parts.append(
-                _sse(protocol.chunk(p, rid, created, text, p.finish_reason if last else None))
-            )
-        sent = req.emitted
-        await resp.write(b"".join(parts))
+        for k, (a, req) in enumerate(zip(p.answers, reqs, strict=True)):
+            for i in range(sent[k], req.emitted):
+                finish = a.finish_reason if i == req.output_tokens - 1 else None
+                c = protocol.chunk(p, rid, created, a.text(i, i + 1), finish, index=a.index)
+                parts.append(_sse(c))
+            sent[k] = req.emitted
+        if parts:
+            await resp.write(b"".join(parts))
+        if all(req.done for req in reqs):  # finished, or ended early (server stopping)
+            break
+        await event.wait()
+        event.clear()
     if p.include_usage:
-        await resp.write(_sse(protocol.usage_chunk(p, rid, created, sent)))
+        await resp.write(_sse(protocol.usage_chunk(p, rid, created, sum(sent))))
     await resp.write(b"data: [DONE]\n\n")
     with contextlib.suppress(ConnectionError):
         await resp.write_eof()
     return resp
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's `/tokenize`: a `prompt` string or chat `messages` (with `add_generation_prompt`
+    and `continue_final_message`); `count` equals the `prompt_tokens` a completion of the same
+    prompt reports."""
+    cfg = request.app[STATE].config
+    body = await _body(request)
+    if isinstance(body, dict) and body.get("model") is not None:
+        protocol.check_model(body, {cfg.model})
+    if isinstance(body, dict) and isinstance(body.get("messages"), list):
+        prompt = protocol.chat_prompt(body)
+    elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+        prompt = protocol.completion_prompts(body)[0]
+    else:
+        raise protocol.ProtocolError("Field required: 'prompt' (a string) or 'messages'")
+    ids = protocol.prompt_ids(prompt)
+    strs = [protocol.detokenize([t]) for t in ids] if body.get("return_token_strs") else None
+    return web.json_response(
+        {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids, "token_strs": strs}
+    )
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    """vLLM's `/detokenize`: token ids back to text (the filler vocabulary is exact; other
+    ids come back as `<id>`)."""
+    cfg = request.app[STATE].config
+    body = await _body(request)
+    if isinstance(body, dict) and body.get("model") is not None:
+        protocol.check_model(body, {cfg.model})
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        raise protocol.ProtocolError("'tokens' must be a list of non-negative integers")
+    return web.json_response({"prompt": protocol.detokenize(tokens)})
 
 
 async def make_runner(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
