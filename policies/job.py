@@ -41,6 +41,9 @@ class Job:
     """Absolute SLO deadline for the last token (engine clock), if any."""
     dist: LengthDist | None = None
     """Predicted distribution of the *total* output length (tokens), if a predictor ran."""
+    rank_score: float | None = None
+    """A learned ranking score of the prompt (higher = predicted longer; only its order
+    matters), if a ranking model ran; the `ltr` policy orders by it."""
     true_output_tokens: int | None = None
     """The real output length; known only to oracles, simulators and replays."""
     preemptions: int = 0

@@ -99,6 +99,7 @@ def _jobs(
     policy: Policy,
     sigma: float,
     beliefs: Sequence[LengthDist] | None = None,
+    rank_scores: Sequence[float] | None = None,
 ) -> tuple[list[Job], list[RequestRecord]]:
     jobs, records = [], []
     for i, r in enumerate(requests):
@@ -108,6 +109,7 @@ def _jobs(
         job.tenant = r.tenant or job.tenant
         if policy.needs_prediction:
             job.dist = belief(pred, sigma) if beliefs is None else beliefs[i]
+            job.rank_score = None if rank_scores is None else rank_scores[i]
         if policy.needs_oracle:
             job.true_output_tokens = out
         job.ctx = Seq(job, out, pred)
@@ -129,12 +131,13 @@ class _Run:
         sigma: float,
         stop_after: int | None,
         beliefs: Sequence[LengthDist] | None = None,
+        rank_scores: Sequence[float] | None = None,
     ) -> None:
         self.c = contender
         self.profile = profile
         self.sched = Scheduler(contender.policy)
         self.engine = Engine(contender.engine, profile)
-        self.jobs, self.records = _jobs(requests, self.sched.policy, sigma, beliefs)
+        self.jobs, self.records = _jobs(requests, self.sched.policy, sigma, beliefs, rank_scores)
         self.jobs.sort(key=lambda j: (j.arrival_s, j.id))
         self.stop_after = stop_after
         self.violations = 0
@@ -253,6 +256,7 @@ def simulate(
     belief_sigma: float = 0.2,
     stop_after_violations: int | None = None,
     beliefs: Sequence[LengthDist] | None = None,
+    rank_scores: Sequence[float] | None = None,
 ) -> SimResult:
     """Run `requests` (times on the run's clock, already compressed) through one contender.
 
@@ -260,14 +264,17 @@ def simulate(
     request's frozen `predicted_output_tokens` (the true length when there is none); oracle
     policies get the true length. With `stop_after_violations`, the run stops as soon as that
     many requests have missed their deadline (used by the knee search). `beliefs`, one per
-    request in order, replaces the log-normal belief with a predictor's own distributions.
+    request in order, replaces the log-normal belief with a predictor's own distributions;
+    `rank_scores`, one per request, become `Job.rank_score` (the `ltr` policy's ranking model).
     """
     if beliefs is not None and len(beliefs) != len(requests):
         raise ValueError("beliefs must hold one distribution per request")
+    if rank_scores is not None and len(rank_scores) != len(requests):
+        raise ValueError("rank_scores must hold one score per request")
     c = resolve(contender) if isinstance(contender, str) else contender
     prof = make_profile(profile) if isinstance(profile, str) else profile
     wall = time.perf_counter()
-    run = _Run(requests, c, prof, belief_sigma, stop_after_violations, beliefs)
+    run = _Run(requests, c, prof, belief_sigma, stop_after_violations, beliefs, rank_scores)
     end, stopped = run.run()
     return SimResult(
         c.name,
