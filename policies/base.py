@@ -15,6 +15,7 @@ import abc
 import dataclasses
 from typing import Any, ClassVar, Self
 
+from policies.cost import LinearProfile
 from policies.job import Job
 
 Key = tuple[float, ...]
@@ -24,6 +25,12 @@ Key = tuple[float, ...]
 def param(default: Any, help: str) -> Any:
     """A policy parameter with its help text (shown by `sagesched policies`)."""
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+def engine_param() -> Any:
+    """A fact about the engine the policy runs on (its cost profile), set by the engine through
+    `on_engine`, not by the user: kept by `fresh()`, left out of labels and the catalog."""
+    return dataclasses.field(default=None, repr=False, compare=False, metadata={"engine": True})
 
 
 def state(factory: Any) -> Any:
@@ -79,6 +86,17 @@ class Policy(abc.ABC):
         """May this running job be displaced now? Only asked when `preemptive` is true."""
         return self.preemptive
 
+    def preemption_pays(self, waiting: Job, victim: Job, n_running: int) -> bool:
+        """Asked once the keys say `waiting` should displace the running `victim` (with
+        `n_running` jobs in the engine): is the expected saving worth the preemption's cost?
+        Default: yes, the key order alone decides."""
+        return True
+
+    def on_engine(self, cost: LinearProfile) -> Self:
+        """This policy on an engine whose per-request cost `cost` describes (the simulator
+        passes its latency profile's, the gateway its configured one). Default: unchanged."""
+        return self
+
     # -- lifecycle hooks (no-ops unless a policy keeps state) ---------------------------
 
     def on_admit(self, job: Job, now: float) -> None:
@@ -108,6 +126,6 @@ class Policy(abc.ABC):
         changed = [
             f"{f.name}={getattr(self, f.name)}"
             for f in dataclasses.fields(self)
-            if f.init and getattr(self, f.name) != f.default
+            if f.init and not f.metadata.get("engine") and getattr(self, f.name) != f.default
         ]
         return self.name + (":" + ",".join(changed) if changed else "")

@@ -116,7 +116,7 @@ def catalog() -> list[PolicyInfo]:
         params = tuple(
             (f.name, f.default, str(f.metadata.get("help", "")))
             for f in dataclasses.fields(cls)
-            if f.init
+            if f.init and not f.metadata.get("engine")
         )
         needs = "oracle" if cls.needs_oracle else "prediction" if cls.needs_prediction else "-"
         preempt = "yes" if default.preemptive else "no"

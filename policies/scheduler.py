@@ -22,6 +22,7 @@ so it should look for a victim again (`progress` returns True).
 from __future__ import annotations
 
 from policies.base import Key, Policy
+from policies.cost import LinearProfile
 from policies.job import Job
 from policies.queue import PolicyQueue
 
@@ -31,8 +32,10 @@ class Scheduler:
 
     __slots__ = ("_review_at", "policy", "queue", "running")
 
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy.fresh()
+    def __init__(self, policy: Policy, cost: LinearProfile | None = None) -> None:
+        """`cost`: what a request costs the engine behind this scheduler, when known (the
+        simulator's latency profile; the gateway's configured profile)."""
+        self.policy = (policy if cost is None else policy.on_engine(cost)).fresh()
         self.queue = PolicyQueue(self.policy)
         self.running: dict[int, Job] = {}
         self._review_at: dict[int, int | None] = {}  # running id -> next review (tokens)
@@ -104,7 +107,7 @@ class Scheduler:
         The waiting job must beat the worst running key, computed at `now` and the job's
         current attained service (one `policy.key` per candidate); with `margin` > 0 its
         primary key must be lower by that fraction of the victim's (hysteresis against
-        flapping).
+        flapping); and the policy must find that the swap pays (`preemption_pays`).
         """
         if not self.policy.preemptive or not self.running:
             return None
@@ -122,6 +125,8 @@ class Scheduler:
         if not best_key < worst_key:
             return None
         if margin > 0 and best_key[0] > worst_key[0] - margin * abs(worst_key[0]):
+            return None
+        if not self.policy.preemption_pays(best, victim, len(self.running)):
             return None
         return victim
 

@@ -235,3 +235,25 @@ register_engine(
         budget_counts_prompts=False,
     )
 )
+
+QWEN3_32B_H200_KV_TOKENS = 245_760
+"""KV capacity of Qwen3-32B (bf16) on one H200 at vLLM's default `gpu_memory_utilization` 0.9:
+0.9 × 140.4 GiB − 61.0 GiB of weights (32.8B parameters) − ~4.4 GiB of activations and graphs
+≈ 61 GiB, at 64 layers × 2 (K, V) × 8 KV heads × 128 dims × 2 bytes = 256 KiB per token, is
+about 250,000 tokens; rounded down to 15,360 blocks of 16."""
+
+H200_QWEN3_32B = register_engine(
+    EngineConfig(
+        "h200-qwen3-32b",
+        "vLLM V1 on one H200 serving Qwen3-32B: its API-server defaults there (1,024 sequences, "
+        "8,192-token budget, chunked prefill), 245,760 KV tokens paged, recompute preemption",
+        max_seqs=1024,
+        max_batch_tokens=8192,
+        chunk_tokens=8192,
+        budget_counts_decodes=True,
+        kv_tokens=QWEN3_32B_H200_KV_TOKENS,
+    )
+)
+"""The memory-bound regime of the SageSched evaluation: with answers of ~1,500 tokens KV fills
+long before 1,024 sequences (defaults from vLLM 0.32 `EngineArgs._set_default_max_num_seqs_and_
+batched_tokens_args` for GPUs with ≥ 70 GiB)."""

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
+from policies.cost import LinearProfile
+
 _PROFILES: dict[str, type[LatencyProfile]] = {}
 
 P = TypeVar("P", bound="type[LatencyProfile]")
@@ -49,6 +51,21 @@ class LatencyProfile:
         return sum(
             self.iteration_s(n_decode, decode_context + j * n_decode, 0) for j in range(steps)
         )
+
+    def cost_profile(self, batch: int, context: int = 1024) -> LinearProfile:
+        """What one request costs this engine, as the `time` cost model reads it.
+
+        A request decoding among `batch` sequences pays its share of each decode iteration:
+        the fixed part split `batch` ways plus its own marginal terms; the context term is the
+        marginal cost of one more token of context (measured between 0 and `context` tokens
+        per sequence); its prefill is the time of its prompt run alone. So the engine time of
+        I prompt and O output tokens is prefill(I) + O·step + c·(I·O + O(O−1)/2)."""
+        full = self.iteration_s(batch, 0, 0)
+        step_s = full / batch
+        context_s = (self.iteration_s(batch, batch * context, 0) - full) / (batch * context)
+        base = self.iteration_s(0, 0, 1)
+        per_tok = (self.iteration_s(0, 0, 1 + context) - base) / context
+        return LinearProfile(base, per_tok, step_s, context_s)
 
     def steps_within(self, n_decode: int, decode_context: int, budget_s: float) -> int:
         """Smallest k ≥ 1 such that k pure-decode iterations take at least `budget_s`."""
@@ -140,7 +157,10 @@ class LsspConstant(LatencyProfile):
 
 @dataclass(frozen=True, slots=True)
 class H200Coefficients:
-    """Fitted by `loadgen.engine.fit_h200` (milliseconds; see its docstring for the model)."""
+    """Fitted by `loadgen.engine.fit_h200` (milliseconds; see its docstring for the model).
+
+    Defaults: the Llama-3.1-8B shape. The mixed regime is a + c·ΣL + d·P (+ b·B where the shape
+    has no mixed measurements and the mixed regime is the additive rule)."""
 
     decode_a_ms: float = 5.08329
     decode_per_seq_ms: float = 0.0140837
@@ -149,11 +169,25 @@ class H200Coefficients:
     prefill_per_tok_ms: float = 0.0185966
     prefill_per_tok2_ms: float = 1.23e-06
     mixed_a_ms: float = 2.92403
+    mixed_per_seq_ms: float = 0.0
     mixed_per_ctx_ms: float = 5.09483e-05
     mixed_per_tok_ms: float = 0.0241669
 
 
 H200_LLAMA3_8B = H200Coefficients()
+H200_QWEN3_32B = H200Coefficients(
+    decode_a_ms=18.3107,
+    decode_per_seq_ms=0.0644588,
+    decode_per_ctx_ms=5.1713e-05,
+    prefill_a_ms=16.1543,
+    prefill_per_tok_ms=0.0866292,
+    prefill_per_tok2_ms=4.08984e-06,
+    # no mixed measurements for this shape: decode fit + the prefill's per-token term
+    mixed_a_ms=18.3107,
+    mixed_per_seq_ms=0.0644588,
+    mixed_per_ctx_ms=5.1713e-05,
+    mixed_per_tok_ms=0.0866292,
+)
 
 
 @register_profile
@@ -178,6 +212,7 @@ class H200Llama3(LatencyProfile):
         else:
             ms = (
                 k.mixed_a_ms
+                + k.mixed_per_seq_ms * n_decode
                 + k.mixed_per_ctx_ms * decode_context
                 + k.mixed_per_tok_ms * prefill_tokens
             )
@@ -188,6 +223,18 @@ class H200Llama3(LatencyProfile):
         first = self.iteration_s(n_decode, decode_context, 0)
         growth = self.k.decode_per_ctx_ms * n_decode * steps * (steps - 1) / 2 / 1000.0
         return steps * first + growth
+
+
+@register_profile
+class H200Qwen3(H200Llama3):
+    """One H200, Qwen3-32B shape, bf16: the paper's larger model (kernel-level, as above).
+
+    Mixed iterations use the additive rule (no mixed measurements for this shape). Its KV
+    capacity on one H200 is the engine configuration's business (`h200-qwen3-32b`)."""
+
+    name = "h200-qwen3-32b"
+    description = "H200, Qwen3-32B shape: fit of REFERENCE.md §6 measurements (max error 7.5%)"
+    k: ClassVar[H200Coefficients] = H200_QWEN3_32B
 
 
 @dataclass(frozen=True, slots=True)

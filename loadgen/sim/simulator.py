@@ -135,7 +135,8 @@ class _Run:
     ) -> None:
         self.c = contender
         self.profile = profile
-        self.sched = Scheduler(contender.policy)
+        batch = min(contender.inflight_cap or contender.engine.max_seqs, contender.engine.max_seqs)
+        self.sched = Scheduler(contender.policy, profile.cost_profile(batch))
         self.engine = Engine(contender.engine, profile)
         self.jobs, self.records = _jobs(requests, self.sched.policy, sigma, beliefs, rank_scores)
         self.jobs.sort(key=lambda j: (j.arrival_s, j.id))

@@ -5,22 +5,35 @@ The predictor's length distribution (conditioned on the tokens generated so far,
 O²/2 + I·O, memory and compute together). The key is minus the Gittins index, so the job with
 the best chance of finishing per unit of expected cost goes first. The index only changes its
 candidate horizons at support points, so the key is reviewed when generation crosses the next
-one; a waiting job beats a running one by index, which is when preemption pays.
+one. A waiting job that beats a running one by index displaces it only when the swap pays
+(`preempt_rule="pays"`, derived in docs/policies.md): the victim's expected remaining decode
+must exceed the waiting job's by more than the victim's recompute costs the whole batch,
+reckoned under the engine's cost profile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Self
 
 import numpy as np
 
-from policies.base import Key, Policy, param
-from policies.cost import COST_MODELS, CostModel, attained_cost, make_cost_model
+from policies.base import Key, Policy, engine_param, param
+from policies.cost import COST_MODELS, CostModel, LinearProfile, attained_cost, make_cost_model
 from policies.dist import LengthDist
 from policies.gittins import gittins_index
 from policies.job import Job
 from policies.registry import register_policy
+
+PREEMPT_RULES = ("pays", "index")
+DEFAULT_ENGINE = LinearProfile(
+    prefill_base_s=5.16e-3, prefill_s_per_token=1.99e-5, step_s=9.35e-5, context_s_per_token=2.79e-8
+)
+"""Costs assumed when no engine said what a request costs: the `h200-llama3-8b` profile's at a
+batch of 64 (`loadgen.engine.profiles.LatencyProfile.cost_profile`); the rule only reads the
+ratio of prefill to decode cost, which is of this order on GPU engines."""
 
 
 @register_policy
@@ -31,10 +44,24 @@ class SageSched(Policy):
     needs_prediction = True
     preemptive: bool = param(True, "preempt a running job when a waiting one has a higher index")
     cost: str = param("kv", "cost model: " + ", ".join(COST_MODELS))
+    preempt_rule: str = param(
+        "pays", "pays: a higher index and a saving above the recompute cost; index: index alone"
+    )
+    latency: LinearProfile | None = engine_param()
+    """The engine's per-request cost (`time` cost model, preemption rule); set by `on_engine`."""
     _model: CostModel = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._model = make_cost_model(self.cost)
+        if self.preempt_rule not in PREEMPT_RULES:
+            raise ValueError(f"preempt_rule: one of {PREEMPT_RULES}, not {self.preempt_rule!r}")
+        if self.cost == "time" and self.latency is None:
+            # no engine told us its costs yet: decode steps only, until `on_engine` does
+            self._model = make_cost_model("time", LinearProfile())
+        else:
+            self._model = make_cost_model(self.cost, self.latency)
+
+    def on_engine(self, cost: LinearProfile) -> Self:
+        return self if self.latency is not None else dataclasses.replace(self, latency=cost)
 
     def belief(self, job: Job) -> LengthDist:
         """The job's length distribution as SageSched uses it: capped, then conditioned."""
@@ -51,6 +78,21 @@ class SageSched(Policy):
         support = self._model.cost(job.prompt_tokens, dist.support)
         spent = attained_cost(self._model, job.prompt_tokens, job.generated)
         return (-gittins_index(support, dist.probs, spent),)
+
+    def preemption_pays(self, waiting: Job, victim: Job, n_running: int) -> bool:
+        """Exchange argument for one batch slot (docs/policies.md): serving the waiting job
+        first saves (R_v − R_w) iterations of τ = n·step for the pair, where R are the expected
+        remaining decode tokens; the victim later recomputes its prompt plus what it generated,
+        which stalls every sequence in the batch (n + 1 counting itself) for that prefill."""
+        if self.preempt_rule == "index":
+            return True
+        lat = self.latency or DEFAULT_ENGINE
+        r_victim = self.belief(victim).mean() - victim.generated
+        r_waiting = self.belief(waiting).mean() - waiting.generated
+        saving_s = (r_victim - r_waiting) * lat.step_s * max(n_running, 1)
+        recompute = victim.prompt_tokens + victim.generated
+        cost_s = (n_running + 1) * lat.prefill_s_per_token * recompute
+        return saving_s > cost_s
 
     def next_review(self, job: Job) -> int | None:
         support = self.belief(job).support

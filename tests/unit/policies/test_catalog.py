@@ -161,7 +161,12 @@ def test_wfs_alternates_between_equal_tenants() -> None:
 
 def test_parse_policy_spec() -> None:
     p = parse_policy("sagesched:cost=tokens,preemptive=false")
-    assert p.params() == {"preemptive": False, "cost": "tokens"}
+    assert p.params() == {
+        "preemptive": False,
+        "cost": "tokens",
+        "preempt_rule": "pays",
+        "latency": None,
+    }
     assert p.label() == "sagesched:preemptive=False,cost=tokens"
     with pytest.raises(ValueError, match="no parameter"):
         parse_policy("fcfs:quantum=3")

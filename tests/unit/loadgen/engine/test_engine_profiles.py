@@ -9,6 +9,7 @@ import pytest
 from loadgen.engine import fit_h200
 from loadgen.engine.profiles import (
     H200_LLAMA3_8B,
+    H200_QWEN3_32B,
     LatencyProfile,
     Scaled,
     make_profile,
@@ -102,3 +103,44 @@ def test_scaled_profile_slows_the_simulation_and_refuses_grid_profiles() -> None
         Scaled(make_profile("lssp-constant"), 0.5)
     with pytest.raises(ValueError, match="positive"):
         Scaled(inner, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "ms"),
+    [((1, 1024, 0), 18.4), ((64, 64 * 2048, 0), 29.2), ((256, 256 * 512, 0), 40.1),
+     ((0, 0, 1024), 111.0), ((0, 0, 8192), 971.0)],
+)  # fmt: skip
+def test_qwen3_32b_profile_matches_the_calibration(shape: tuple[int, int, int], ms: float) -> None:
+    assert make_profile("h200-qwen3-32b").iteration_s(*shape) * 1000 == pytest.approx(ms, rel=0.08)
+
+
+def test_fit_script_reproduces_the_qwen_coefficients_and_the_additive_mixed_rule() -> None:
+    folder = fit_h200.DEFAULT_DIR
+    fitted = fit_h200.fit(fit_h200.load(Path(folder), "qwen3-32b"))
+    k = H200_QWEN3_32B
+    assert "mixed" not in fitted  # no mixed measurements for this shape
+    assert fitted["decode"]["per_seq_ms"] == pytest.approx(k.decode_per_seq_ms, rel=1e-4)
+    assert fitted["prefill"]["per_tok_ms"] == pytest.approx(k.mixed_per_tok_ms, rel=1e-4)
+    # the additive rule, checked where mixed rows exist (the Llama shape)
+    llama = fit_h200.load(Path(folder))
+    coefs = fit_h200.fit(llama)
+    errors = [
+        abs(fit_h200.additive_mixed(coefs, r["B"], r["B"] * r["L"], r["C"]) - r["ms"]) / r["ms"]
+        for r in llama
+        if r["kind"] == "mixed"
+    ]
+    assert max(errors) < 0.23
+
+
+@pytest.mark.parametrize("name", ["h200-llama3-8b", "h200-qwen3-32b", "cpu-tiny-vllm"])
+def test_cost_profile_is_a_requests_share_of_the_engine(name: str) -> None:
+    p = make_profile(name)
+    c = p.cost_profile(64)
+    # 64 requests' shares of a decode step make the step
+    assert 64 * c.step_s == pytest.approx(p.iteration_s(64, 0, 0))
+    assert 64 * (c.step_s + 1000 * c.context_s_per_token) == pytest.approx(
+        p.iteration_s(64, 64 * 1000, 0), rel=1e-3
+    )
+    assert c.prefill_s(1025) == pytest.approx(p.iteration_s(0, 0, 1025), rel=0.05)
+    # the batch shares the fixed cost: bigger batch, cheaper step
+    assert p.cost_profile(256).step_s < c.step_s
