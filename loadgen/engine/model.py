@@ -48,10 +48,18 @@ class Seq:
     first_token_s: float | None = None
     preemptions: int = 0
     """Engine-level (KV) preemptions."""
+    priority: int | None = None
+    """vLLM `priority` the request carries (lower first); None: the job's priority class."""
 
     @property
     def prompt(self) -> int:
         return self.job.prompt_tokens
+
+    @property
+    def order(self) -> tuple[int, float, int]:
+        """(priority, arrival, id): vLLM's priority-scheduling order (lower first)."""
+        job = self.job
+        return (job.priority if self.priority is None else self.priority, job.arrival_s, job.id)
 
 
 @dataclass(slots=True)
@@ -90,6 +98,8 @@ class Engine:
         self._watermark = int(config.watermark_fraction * self.capacity) if paged else 0
         self.iterations = 0
         self.preemptions = 0
+        self.generated_tokens = 0
+        """Output tokens generated so far (vLLM's `generation_tokens_total`)."""
         self._last_iter_s = profile.iteration_s(1, 0, 0)
 
     # -- membership -----------------------------------------------------------------------
@@ -205,7 +215,7 @@ class Engine:
         if self.cfg.waiting_order == "prompt":
             return sorted(self.waiting, key=lambda s: (s.prefill_left, s.job.arrival_s, s.job.id))
         if self.cfg.waiting_order == "priority":
-            return sorted(self.waiting, key=lambda s: (s.job.priority, s.job.arrival_s, s.job.id))
+            return sorted(self.waiting, key=lambda s: s.order)
         return list(self.waiting)
 
     def _admit(self, b: _Batch, now: float) -> Blocked:
@@ -316,7 +326,7 @@ class Engine:
 
     def _victim(self) -> Seq:
         if self.cfg.priority_scheduling:
-            return max(self.running, key=lambda s: (s.job.priority, s.job.arrival_s, s.job.id))
+            return max(self.running, key=lambda s: s.order)
         return self.running[-1]
 
     def _preempt(self, seq: Seq, b: _Batch) -> None:
@@ -390,6 +400,7 @@ class Engine:
         elif k > 1:
             for seq in b.decodes:
                 self._take(seq, max(0, self._blocks_for(seq.kv + k) - seq.blocks))
+        self.generated_tokens += k * len(b.decodes)
         for seq in b.decodes:
             seq.generated += k
             seq.kv += k
@@ -400,6 +411,7 @@ class Engine:
             seq.prefill_left -= chunk
             seq.kv += chunk
             if seq.prefill_left == 0:
+                self.generated_tokens += 1
                 seq.generated += 1
                 seq.kv += 1
                 seq.last_token_s = end_s

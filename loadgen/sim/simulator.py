@@ -25,6 +25,7 @@ from loadgen.engine.profiles import LatencyProfile, make_profile
 from loadgen.metrics import DEADLINE_EPS_S, RequestRecord
 from loadgen.schema import TraceRequest
 from policies.base import Policy
+from policies.capacity import CapController, CapLaw, EngineSample, priority_level
 from policies.dist import LengthDist
 from policies.job import Job
 from policies.registry import parse_policy, policy_names
@@ -47,6 +48,12 @@ class Contender:
     """Most requests inside the engine at once (None: the gateway forwards everything)."""
     gateway_preemption: bool = True
     """Let a preemptive policy displace an in-flight request (aborted, requeued, resumed)."""
+    cap_law: CapLaw | None = None
+    """Tune the cap with `policies.capacity.CapController` (starting at `inflight_cap`),
+    sampling the engine model's queue, KV use and token counter every `interval_s`."""
+    forward_priority: bool = False
+    """Send each request to the engine with its policy key at dispatch quantised to vLLM's
+    integer priority (`priority_level`); matters on an engine with priority scheduling."""
 
 
 def contender_names() -> list[str]:
@@ -143,6 +150,11 @@ class _Run:
         self.stop_after = stop_after
         self.violations = 0
         self.steps = 0
+        law = contender.cap_law
+        self.ctl = None if law is None else CapController(law, contender.inflight_cap or 1)
+        self.next_sample = math.inf if self.ctl is None else self.ctl.interval_s
+        self.caps: list[int] = []
+        """The tuned cap after every sample."""
 
     def run(self) -> tuple[float, bool]:
         """Simulate to the end (or the violation limit). Returns (end time, stopped early)."""
@@ -164,10 +176,12 @@ class _Run:
                     break
                 t = max(t, self._align(jobs[i].arrival_s))
                 continue
-            horizon = (jobs[i].arrival_s if i < n else drain_end) - t
+            horizon = min(jobs[i].arrival_s if i < n else drain_end, self.next_sample) - t
             res = engine.step(t, horizon)
             self.steps += 1
             t = self._snap(t + res.dt_s)
+            if t >= self.next_sample:
+                self._sample(t)
             for seq in res.dropped:
                 self._settle(seq, t, dropped=True)
             for seq in res.finished:
@@ -178,8 +192,17 @@ class _Run:
         return t, False
 
     def _room(self) -> bool:
-        cap = self.c.inflight_cap
+        cap = self.c.inflight_cap if self.ctl is None else self.ctl.cap
         return cap is None or len(self.sched.running) < cap
+
+    def _sample(self, t: float) -> None:
+        """The cap controller reads the engine model as the gateway reads vLLM's /metrics."""
+        assert self.ctl is not None
+        e = self.engine
+        sample = EngineSample(float(len(e.waiting)), e.kv_fraction(), float(e.generated_tokens))
+        self.caps.append(self.ctl.observe(t, sample, len(self.sched.running)))
+        while self.next_sample <= t:  # one reading after an idle gap, as a scrape would see
+            self.next_sample += self.ctl.interval_s
 
     def _align(self, t: float) -> float:
         grid = self.profile.grid_s
@@ -212,6 +235,8 @@ class _Run:
     def _dispatch(self, t: float) -> None:
         job = self.sched.dispatch(t)
         if job is not None:
+            if self.c.forward_priority:
+                job.ctx.priority = priority_level(self.sched.running_key(job, t)[0])
             self.engine.add(job.ctx)
 
     def _sync(self, t: float) -> None:
@@ -286,7 +311,10 @@ def simulate(
         time.perf_counter() - wall,
         stopped,
         end,
-        {"engine_preemptions": float(run.engine.preemptions)},
+        {
+            "engine_preemptions": float(run.engine.preemptions),
+            **({"cap_mean": float(np.mean(run.caps))} if run.caps else {}),
+        },
     )
 
 

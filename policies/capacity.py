@@ -1,0 +1,246 @@
+"""The in-flight cap that tunes itself, and vLLM priority levels: pure control laws.
+
+Why a cap: vLLM admits every request into its own FCFS queue, so a gateway policy orders
+anything only while the backlog waits in the gateway. Too small a cap throttles the engine;
+too large a cap leaves the backlog in vLLM's queue. The right cap is the engine's *efficient
+batch*: the most requests it runs at once before extra ones stop adding throughput, stop
+fitting in KV, or start waiting inside it.
+
+`CapController` finds it from what the engine itself reports (vLLM's `/metrics` in the
+gateway; the engine model's state in the simulator), one `observe` per sample:
+
+1. **Limits.** vLLM's waiting queue above `waiting_high`: the engine runs only about
+   `inflight - waiting` (its `max_num_seqs`, or what its token budget admits), so the cap
+   drops to that plus `waiting_high`. KV usage above `kv_high`: the engine is about to
+   preempt; the cap shrinks by `backoff` (multiplicative decrease).
+2. **No information.** The gateway does not fill the cap (fewer than `busy_fraction` × cap in
+   flight): demand, not the cap, sets the batch; the cap holds.
+3. **Hill climb on throughput.** Otherwise each cap level is held for `settle` + `dwell`
+   samples and its generation-token rate measured over the `dwell` samples. Between two
+   levels the elasticity e = Δln(rate) / Δln(cap) says where the efficient batch lies: e ≥
+   `min_elasticity` (a larger batch still buys throughput in proportion) → go up; below →
+   go down. Levels grow by `slow_start_factor` every sample at first (slow start, no `settle`
+   or `dwell`, sampled every `slow_start_interval_s`: under overload every second at a small
+   cap builds a backlog that never drains)
+   and move by `step` after the first reversal or limit,
+   so the cap settles within ±`step` of the point where the elasticity drops below
+   `min_elasticity`. Without a throughput series (unknown) the cap grows by `step` while the
+   engine shows no queue and KV room (plain AIMD).
+
+A series the engine does not report is *unknown* (`None`), never 0: an unknown queue or KV
+usage is no limit, an unknown throughput disables the climb. A counter that goes backwards
+(engine restart) restarts the measurement.
+
+Everything here is pure: time is a number passed in (wall seconds in the gateway, virtual
+seconds in the simulator), so both run the same controller.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One reading of an engine's own metrics; None = the series is unknown."""
+
+    waiting: float | None = None
+    """Requests waiting inside the engine (vLLM `num_requests_waiting`)."""
+    kv_usage: float | None = None
+    """KV-cache usage in [0, 1] (vLLM `kv_cache_usage_perc`)."""
+    generation_tokens: float | None = None
+    """Cumulative output tokens generated (vLLM `generation_tokens_total`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CapLaw:
+    """Parameters of `CapController` (caps in requests, times in the caller's seconds)."""
+
+    interval_s: float = 1.0
+    """Seconds between samples (the caller samples every `CapController.interval_s`)."""
+    slow_start_interval_s: float = 0.25
+    """Seconds between samples during slow start."""
+    min_cap: int = 1
+    max_cap: int = 1024
+    kv_high: float = 0.95
+    """KV usage above which the cap shrinks (vLLM preempts when KV runs out)."""
+    waiting_high: float = 2.0
+    """Engine waiting requests above which the cap shrinks (a few may wait for one step)."""
+    backoff: float = 0.125
+    """Multiplicative decrease on a limit."""
+    step: float = 0.125
+    """Relative move of the hill climb after slow start."""
+    slow_start_factor: float = 4.0
+    """Growth per sample during slow start (from a cold start, before the first limit)."""
+    min_elasticity: float = 0.3
+    """Elasticity of throughput to the cap below which the batch counts as saturated."""
+    settle: int = 1
+    """Samples skipped after a move (the new requests' prefill)."""
+    dwell: int = 2
+    """Samples a level is measured over."""
+    busy_fraction: float = 0.9
+    """The cap binds while at least this share of it is in flight."""
+
+    def __post_init__(self) -> None:
+        if self.slow_start_factor <= 1:
+            raise ValueError("need slow_start_factor > 1")
+        if not 1 <= self.min_cap <= self.max_cap:
+            raise ValueError("need 1 <= min_cap <= max_cap")
+        if self.interval_s <= 0 or self.slow_start_interval_s <= 0:
+            raise ValueError("need interval_s > 0")
+        if self.dwell < 1 or self.settle < 0 or self.step <= 0 or not 0 < self.backoff < 1:
+            raise ValueError("need dwell >= 1, settle >= 0, step > 0, 0 < backoff < 1")
+
+
+class CapController:
+    """One engine's cap. Call `observe` once per sample, in time order; read `cap`."""
+
+    def __init__(self, law: CapLaw, cap: int) -> None:
+        self.law = law
+        self.cap = self._clamp(cap)
+        self.slow_start = True
+        self.rate: float | None = None
+        """Throughput of the last level measured (tokens per second), if any."""
+        self._prev: tuple[int, float] | None = None
+        """(cap, rate) of the last level measured."""
+        self._last: tuple[float, float] | None = None
+        """(time, generation counter) of the previous sample."""
+        self._skip = law.settle
+        self._tokens = 0.0
+        self._seconds = 0.0
+        self._samples = 0
+
+    @property
+    def interval_s(self) -> float:
+        """Seconds until the caller should sample again."""
+        return self.law.slow_start_interval_s if self.slow_start else self.law.interval_s
+
+    def observe(self, now: float, sample: EngineSample, inflight: int) -> int:
+        """One sample at time `now` with `inflight` requests of the gateway on this engine.
+        Returns the (possibly new) cap."""
+        law = self.law
+        delta = self._counter_delta(now, sample.generation_tokens)
+        queued = sample.waiting is not None and sample.waiting > law.waiting_high
+        full = sample.kv_usage is not None and sample.kv_usage > law.kv_high
+        if queued or full:
+            self.slow_start = False
+            self._prev = None
+            new = self.cap - max(1, math.ceil(self.cap * law.backoff)) if full else self.cap - 1
+            if queued:
+                # the engine runs about `inflight - waiting`: cap there plus the allowance
+                assert sample.waiting is not None
+                new = min(new, inflight - math.ceil(sample.waiting) + int(law.waiting_high))
+            return self._move(new)
+        if inflight < law.busy_fraction * self.cap:
+            self._restart_level()
+            return self.cap
+        if self._skip > 0 and not self.slow_start:
+            self._skip -= 1
+            return self.cap
+        if delta is None:
+            if sample.generation_tokens is None:  # no throughput series: plain AIMD growth
+                return self._move(self._up(self.cap))
+            self._restart_level()
+            return self.cap
+        self._tokens += delta[0]
+        self._seconds += delta[1]
+        self._samples += 1
+        if self._samples < (1 if self.slow_start else law.dwell):
+            return self.cap
+        return self._judge(self._tokens / self._seconds if self._seconds > 0 else 0.0)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _judge(self, rate: float) -> int:
+        """A level was measured: climb up or down."""
+        self.rate = rate
+        prev, self._prev = self._prev, (self.cap, rate)
+        if prev is None or prev[0] == self.cap:
+            return self._move(self._up(self.cap))
+        elasticity = _elasticity(prev, (self.cap, rate))
+        if elasticity >= self.law.min_elasticity:
+            return self._move(self._up(self.cap))
+        if self.slow_start:
+            # the doubling overshot: resume from the last level that still paid
+            self.slow_start = False
+            if prev[0] < self.cap:
+                return self._move(prev[0])
+        return self._move(self._down(self.cap))
+
+    def _up(self, cap: int) -> int:
+        factor = self.law.slow_start_factor if self.slow_start else 1.0 + self.law.step
+        return max(cap + 1, round(cap * factor))
+
+    def _down(self, cap: int) -> int:
+        return min(cap - 1, round(cap / (1.0 + self.law.step)))
+
+    def _move(self, cap: int) -> int:
+        new = self._clamp(cap)
+        if new != self.cap:
+            self.cap = new
+            self._restart_level()
+        return self.cap
+
+    def _restart_level(self) -> None:
+        self._skip = self.law.settle
+        self._tokens = self._seconds = 0.0
+        self._samples = 0
+
+    def _clamp(self, cap: int) -> int:
+        return max(self.law.min_cap, min(self.law.max_cap, cap))
+
+    def _counter_delta(self, now: float, counter: float | None) -> tuple[float, float] | None:
+        """(tokens, seconds) since the previous sample, or None when unknown or reset."""
+        last = self._last
+        self._last = None if counter is None else (now, counter)
+        if counter is None or last is None or counter < last[1] or now <= last[0]:
+            return None
+        return counter - last[1], now - last[0]
+
+
+def _elasticity(a: tuple[int, float], b: tuple[int, float]) -> float:
+    """Δln(rate) / Δln(cap) between two measured levels (caps differ)."""
+    (cap_a, rate_a), (cap_b, rate_b) = a, b
+    if rate_a <= 0 or rate_b <= 0:
+        # no tokens at one level: a larger cap that produced some counts as paying
+        return 1.0 if (rate_b > rate_a) == (cap_b > cap_a) else 0.0
+    return math.log(rate_b / rate_a) / math.log(cap_b / cap_a)
+
+
+def combine_kv(values: list[float]) -> float | None:
+    """KV usage of one server reporting several engines (label `engine`, data parallel):
+    the fullest engine, since the first one to run out preempts. None when none reported."""
+    return max(values) if values else None
+
+
+PRIORITY_LEVELS_PER_OCTAVE = 4
+"""vLLM priority levels per factor of two in the policy's primary key (about 19% apart)."""
+PRIORITY_BOUND = 1_000_000
+
+
+def priority_level(key0: float, levels_per_octave: int = PRIORITY_LEVELS_PER_OCTAVE) -> int:
+    """A policy's primary key (lower first) quantised to vLLM's integer priority (lower
+    first), on a log scale so keys spread over orders of magnitude (Gittins indices, costs)
+    keep their order to within 2^(1/levels_per_octave).
+
+    Monotone non-decreasing within each sign of the key: a negative key -x (SageSched's minus
+    Gittins index) maps to -L·log2(x), a positive key x (a predicted length) to L·log2(x). 0
+    maps to 0. Equal levels are served by arrival inside vLLM (FCFS within a level)."""
+    if key0 == 0 or math.isnan(key0):
+        return 0
+    if math.isinf(key0):
+        return PRIORITY_BOUND if key0 > 0 else -PRIORITY_BOUND
+    level = levels_per_octave * math.log2(abs(key0))
+    level = -level if key0 < 0 else level
+    return max(-PRIORITY_BOUND, min(PRIORITY_BOUND, math.floor(level)))
+
+
+__all__ = [
+    "PRIORITY_LEVELS_PER_OCTAVE",
+    "CapController",
+    "CapLaw",
+    "EngineSample",
+    "combine_kv",
+    "priority_level",
+]
