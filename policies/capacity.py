@@ -21,14 +21,16 @@ gateway; the engine model's state in the simulator), one `observe` per sample:
    `min_elasticity` (a larger batch still buys throughput in proportion) → go up; below →
    go down. Levels grow by `slow_start_factor` every sample at first (slow start, no `settle`
    or `dwell`, sampled every `slow_start_interval_s`: under overload every second at a small
-   cap builds a backlog that never drains)
-   and move by `step` after the first reversal or limit,
-   so the cap settles within ±`step` of the point where the elasticity drops below
+   cap builds a backlog that never drains) and by `step` after the first reversal or limit,
+   the step doubling from the fourth move the same way on (up to ×2 per level) and halving
+   on a reversal, so the cap
+   settles within ±`step` of the point where the elasticity drops below
    `min_elasticity`. Without a throughput series (unknown) the cap grows by `step` while the
    engine shows no queue and KV room (plain AIMD).
 
 A series the engine does not report is *unknown* (`None`), never 0: an unknown queue or KV
-usage is no limit, an unknown throughput disables the climb. A counter that goes backwards
+usage is no limit, an unknown throughput disables the climb, and with nothing known at all
+the cap holds where it was configured. A counter that goes backwards
 (engine restart) restarts the measurement.
 
 Everything here is pure: time is a number passed in (wall seconds in the gateway, virtual
@@ -100,6 +102,9 @@ class CapController:
         self.law = law
         self.cap = self._clamp(cap)
         self.slow_start = True
+        self._streak = 0
+        """Consecutive climb moves up (> 0) or down (< 0)."""
+        self._step = law.step
         self.rate: float | None = None
         """Throughput of the last level measured (tokens per second), if any."""
         self._prev: tuple[int, float] | None = None
@@ -120,12 +125,15 @@ class CapController:
         """One sample at time `now` with `inflight` requests of the gateway on this engine.
         Returns the (possibly new) cap."""
         law = self.law
+        if sample == EngineSample():
+            return self.cap  # nothing known (no metrics endpoint): keep the configured cap
         delta = self._counter_delta(now, sample.generation_tokens)
         queued = sample.waiting is not None and sample.waiting > law.waiting_high
         full = sample.kv_usage is not None and sample.kv_usage > law.kv_high
         if queued or full:
             self.slow_start = False
             self._prev = None
+            self._streak, self._step = 0, self.law.step
             new = self.cap - max(1, math.ceil(self.cap * law.backoff)) if full else self.cap - 1
             if queued:
                 # the engine runs about `inflight - waiting`: cap there plus the allowance
@@ -162,18 +170,34 @@ class CapController:
         if elasticity >= self.law.min_elasticity:
             return self._move(self._up(self.cap))
         if self.slow_start:
-            # the doubling overshot: resume from the last level that still paid
+            # the growth overshot: resume from the last level that still paid
             self.slow_start = False
+            self._streak, self._step = 0, self.law.step
             if prev[0] < self.cap:
                 return self._move(prev[0])
         return self._move(self._down(self.cap))
 
+    def _factor(self, direction: int) -> float:
+        """Step factor of a climb move. From the fourth move in the same direction on, the
+        step doubles with every further one (up to ×2), so a far-off batch is reached in a
+        few levels; a reversal halves it (down to `step`), so the climb closes in on the
+        batch instead of circling it."""
+        if self._streak * direction > 0:
+            self._streak += direction
+            if abs(self._streak) >= 4:
+                self._step = min(1.0, self._step * 2.0)
+        else:
+            if self._streak != 0:
+                self._step = max(self.law.step, self._step / 2.0)
+            self._streak = direction
+        return 1.0 + self._step
+
     def _up(self, cap: int) -> int:
-        factor = self.law.slow_start_factor if self.slow_start else 1.0 + self.law.step
+        factor = self.law.slow_start_factor if self.slow_start else self._factor(1)
         return max(cap + 1, round(cap * factor))
 
     def _down(self, cap: int) -> int:
-        return min(cap - 1, round(cap / (1.0 + self.law.step)))
+        return min(cap - 1, round(cap / self._factor(-1)))
 
     def _move(self, cap: int) -> int:
         new = self._clamp(cap)
