@@ -34,7 +34,8 @@ class BackendConfig:
     models: tuple[str, ...] = ()
     """Models it serves; empty = discover from its `/v1/models`."""
     max_inflight: int = 8
-    """Requests the gateway lets run on it at once (fixed cap, or the adaptive start)."""
+    """Requests the gateway lets run on it at once (the fixed cap, or where the self-tuning
+    cap starts)."""
     api_key: str | None = None
     """Bearer token sent upstream, if the backend wants one."""
     priority_scheduling: bool = False
@@ -43,19 +44,19 @@ class BackendConfig:
 
 @dataclass(frozen=True)
 class AdaptiveCapConfig:
-    """Control law for the in-flight cap (see `gateway.backends.AdaptiveCap`)."""
+    """The self-tuning in-flight cap (`policies.capacity.CapLaw`; `gateway.backends`)."""
 
-    enabled: bool = False
-    """Adjust each backend's cap from its own `/metrics`."""
+    enabled: bool = True
+    """Adjust each backend's cap from its own `/metrics` (off: `max_inflight` is fixed)."""
     min_inflight: int = 1
     """Lowest cap."""
-    max_inflight: int = 256
+    max_inflight: int = 1024
     """Highest cap."""
     interval_s: float = 1.0
-    """Seconds between scrapes."""
-    kv_high: float = 0.90
+    """Seconds between scrapes (a quarter of it while slow-starting)."""
+    kv_high: float = 0.95
     """KV-cache usage above which the cap shrinks."""
-    waiting_high: float = 1.0
+    waiting_high: float = 2.0
     """vLLM waiting requests above which the cap shrinks."""
 
 
@@ -109,8 +110,9 @@ class GatewayConfig:
     """Let preemptive policies abort and requeue running requests as continuations."""
     preemption_margin: float = 0.2
     """A waiting job must beat the victim's primary key by this fraction."""
-    forward_priority: bool = False
-    """Send the job's queue rank as vLLM `priority` to backends with priority scheduling."""
+    forward_priority: bool = True
+    """Send the job's policy key at dispatch, quantised to vLLM's integer `priority`
+    (`policies.capacity.priority_level`), to backends with `priority_scheduling`."""
     adaptive_cap: AdaptiveCapConfig = field(default_factory=AdaptiveCapConfig)
     predictor: PredictorSettings = field(default_factory=PredictorSettings)
     log_level: str = "INFO"
