@@ -26,6 +26,7 @@ from gateway.errors import QueueFull, QueueTimeout, UpstreamFailed
 from gateway.metrics import GatewayMetrics, RequestTrace
 from gateway.openai_api import Call
 from policies import Job, LengthDist, Policy, Scheduler
+from policies.capacity import priority_level
 
 
 @dataclass(eq=False)
@@ -219,15 +220,9 @@ class Dispatcher:
         ticket.backend = backend
         ticket.priority = None
         if self._config.forward_priority and backend.config.priority_scheduling:
-            # keys at each job's current attained service: one policy.key per job on this
-            # backend (tens of µs each), so a grant stays well under a millisecond
-            now = self._clock()
-            key = sched.running_key(job, now)
-            ticket.priority = sum(
-                1
-                for other in sched.running.values()
-                if other.ctx.backend is backend and sched.running_key(other, now) < key
-            )
+            # the key itself, not a rank among the jobs running now: vLLM compares it with
+            # jobs granted earlier and later, and a rank means nothing across grants
+            ticket.priority = priority_level(sched.running_key(job, self._clock())[0])
         assert ticket.future is not None and not ticket.future.done()
         ticket.future.set_result(backend)
 
