@@ -4,13 +4,15 @@ Why a cap at all: vLLM admits every request into its own FCFS queue, so the gate
 only orders anything if the backlog waits here. Each backend therefore runs at most `cap`
 requests; the rest wait in the gateway queue.
 
-Adaptive cap (AIMD, `AdaptiveCapConfig`): every `interval_s` the pool scrapes the backend's
-`/metrics`. If vLLM's own queue is forming (`vllm:num_requests_waiting` > `waiting_high`) or
-its KV cache is nearly full (`vllm:kv_cache_usage_perc` > `kv_high`), the cap shrinks by an
-eighth (at least 1): the engine is past saturation and extra requests only wait inside it,
-out of the policy's reach. If the gateway is using the whole cap and the engine has no queue
-and KV room, the cap grows by 1: the engine could take more. Otherwise it holds. The cap stays
-within [min_inflight, max_inflight].
+Self-tuning cap (on by default, `AdaptiveCapConfig`): one loop per backend scrapes its
+`/metrics` (`read_sample`: waiting requests, KV usage, generated-token counter) and feeds a
+`policies.capacity.CapController`, the same control law the simulator runs on its engine
+model: shrink when vLLM's own queue forms or its KV fills, otherwise hill-climb on token
+throughput toward the efficient batch. Scrapes come every `interval_s` (faster while
+slow-starting); a failed scrape is skipped, a missing series is unknown (not 0), and a server
+with several engines (label `engine`) counts the sum of their queues and counters and the
+fullest engine's KV. The cap starts at the backend's `max_inflight` and stays within the
+adaptive config's [min_inflight, max_inflight].
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from gateway.config import AdaptiveCapConfig, BackendConfig
-from gateway.metrics import GatewayMetrics, scrape_values
+from gateway.metrics import GatewayMetrics
+from policies.capacity import CapController, CapLaw, EngineSample, combine_kv
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ class Backend:
     models: frozenset[str] = field(default_factory=frozenset)
     discovered: list[dict[str, object]] = field(default_factory=list)
     """The model cards of its last `/v1/models` answer."""
+    controller: CapController | None = None
+    """The self-tuning cap's state (None: fixed cap)."""
 
     @property
     def name(self) -> str:
@@ -60,13 +66,48 @@ class Backend:
         return self.healthy and self.inflight < self.cap
 
 
-def next_cap(cap: int, inflight: int, waiting: float, kv: float, cfg: AdaptiveCapConfig) -> int:
-    """One step of the AIMD control law (see the module docstring)."""
-    if waiting > cfg.waiting_high or kv > cfg.kv_high:
-        cap -= max(1, cap // 8)
-    elif inflight >= cap:
-        cap += 1
-    return max(cfg.min_inflight, min(cfg.max_inflight, cap))
+def cap_law(cfg: AdaptiveCapConfig) -> CapLaw:
+    """The control law's parameters from the gateway config."""
+    return CapLaw(
+        interval_s=cfg.interval_s,
+        slow_start_interval_s=cfg.interval_s / 4,
+        min_cap=cfg.min_inflight,
+        max_cap=cfg.max_inflight,
+        kv_high=cfg.kv_high,
+        waiting_high=cfg.waiting_high,
+    )
+
+
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+"""V1's name, then V0's (same meaning)."""
+GENERATED = ("vllm:generation_tokens_total", "vllm:generation_tokens")
+
+
+def read_sample(text: str) -> EngineSample:
+    """vLLM's `/metrics` text → `EngineSample`. A series absent from the text is unknown
+    (None); samples of several engines (label `engine`) or models are summed for the queue and
+    the token counter, and the KV usage is the fullest engine's (`combine_kv`), never a sum
+    above 1. Raises ValueError on text that is not a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, list[float]] = {}
+    wanted = {WAITING, *KV_USAGE, *GENERATED}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values.setdefault(sample.name, []).append(float(sample.value))
+
+    def first(names: tuple[str, ...]) -> list[float]:
+        return next((values[n] for n in names if n in values), [])
+
+    waiting = values.get(WAITING)
+    generated = first(GENERATED)
+    return EngineSample(
+        waiting=sum(waiting) if waiting else None,
+        kv_usage=combine_kv(first(KV_USAGE)),
+        generation_tokens=sum(generated) if generated else None,
+    )
 
 
 class BackendPool:
@@ -85,6 +126,11 @@ class BackendPool:
         self.backends = [
             Backend(c, cap=c.max_inflight, models=frozenset(c.models)) for c in configs
         ]
+        if adaptive.enabled:
+            law = cap_law(adaptive)
+            for b in self.backends:
+                b.controller = CapController(law, b.cap)
+                b.cap = b.controller.cap
         self._session = session
         self._metrics = metrics
         self._on_capacity = on_capacity
@@ -102,8 +148,9 @@ class BackendPool:
         """Check every backend once, then keep checking in the background."""
         await asyncio.gather(*(self.check(b) for b in self.backends))
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health-loop"))
-        if self._adaptive.enabled:
-            self._tasks.append(asyncio.create_task(self._adapt_loop(), name="adaptive-cap"))
+        for b in self.backends:
+            if b.controller is not None:
+                self._tasks.append(asyncio.create_task(self._adapt_loop(b), name=f"cap-{b.name}"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -201,28 +248,30 @@ class BackendPool:
             await asyncio.sleep(self._interval)
             await asyncio.gather(*(self.check(b) for b in self.backends))
 
-    async def _adapt_loop(self) -> None:
+    async def _adapt_loop(self, b: Backend) -> None:
+        assert b.controller is not None
         while True:
-            await asyncio.sleep(self._adaptive.interval_s)
-            await asyncio.gather(*(self._adapt(b) for b in self.backends if b.healthy))
+            await asyncio.sleep(b.controller.interval_s)
+            if b.healthy:
+                await self._adapt(b)
 
     async def _adapt(self, b: Backend) -> None:
+        """One scrape of `b`'s `/metrics` and one step of its cap controller."""
+        assert b.controller is not None
         try:
-            _, text = await self._get(b, "/metrics")
-        except (aiohttp.ClientError, TimeoutError):
+            status, text = await self._get(b, "/metrics")
+            sample = read_sample(text) if status == 200 else EngineSample()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return  # no reading this time: the controller waits for the next one
+        self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight))
+
+    def set_cap(self, b: Backend, new: int) -> None:
+        """Apply a new cap; a larger one wakes the dispatcher."""
+        if new == b.cap:
             return
-        values = scrape_values(text, ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"))
-        new = next_cap(
-            b.cap,
-            b.inflight,
-            values.get("vllm:num_requests_waiting", 0.0),
-            values.get("vllm:kv_cache_usage_perc", 0.0),
-            self._adaptive,
-        )
-        if new != b.cap:
-            log.info("backend %s cap %d -> %d", b.name, b.cap, new)
-            grew = new > b.cap
-            b.cap = new
-            self._metrics.cap.labels(b.name).set(new)
-            if grew:
-                self._on_capacity()
+        log.info("backend %s cap %d -> %d", b.name, b.cap, new)
+        grew = new > b.cap
+        b.cap = new
+        self._metrics.cap.labels(b.name).set(new)
+        if grew:
+            self._on_capacity()

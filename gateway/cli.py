@@ -36,11 +36,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, help="queue bound (429 beyond)")
     p.add_argument("--queue-timeout", type=float, dest="queue_timeout_s", help="seconds before 503")
     p.add_argument("--preemption", action="store_true", default=None, help="allow preemption")
-    p.add_argument("--forward-priority", action="store_true", default=None,
-                   help="send the queue rank as vLLM priority to priority backends")  # fmt: skip
-    p.add_argument(
-        "--adaptive-cap", action="store_true", default=None, help="adapt caps from vLLM metrics"
-    )
+    p.add_argument("--forward-priority", action=argparse.BooleanOptionalAction, default=None,
+                   help="send the policy key as vLLM priority (default on)")  # fmt: skip
+    p.add_argument("--adaptive-cap", action=argparse.BooleanOptionalAction, default=None,
+                   help="tune each backend's cap from its vLLM metrics (default on; "
+                   "--no-adaptive-cap: --max-inflight is fixed)")  # fmt: skip
     p.add_argument("--predictor-snapshot", help="load/save the predictor history here")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     return p
@@ -73,8 +73,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
             }
             for url in args.backend
         ]
-    if args.adaptive_cap:
-        out["adaptive_cap"] = {"enabled": True}
+    if args.adaptive_cap is not None:
+        out["adaptive_cap"] = {"enabled": args.adaptive_cap}
     if args.predictor_snapshot:
         out["predictor"] = {"snapshot_path": args.predictor_snapshot}
     return out

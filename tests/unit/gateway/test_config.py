@@ -1,4 +1,4 @@
-"""Config pipeline: file, environment, flags, validation; the adaptive-cap control law."""
+"""Config pipeline: file, environment, flags, validation; defaults of the cap and priority."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backends import next_cap
 from gateway.cli import build_parser, overrides
-from gateway.config import AdaptiveCapConfig, ConfigError, as_dict, build, load
+from gateway.config import ConfigError, as_dict, build, load
 
 
 def test_file_env_flags_in_that_order(tmp_path: Path) -> None:
@@ -60,10 +59,8 @@ def test_serve_flags_describe_backends_without_a_file() -> None:
     assert cfg.port == 8123 and cfg.preemption and cfg.policy == "fcfs"
 
 
-def test_aimd_cap_control_law() -> None:
-    cfg = AdaptiveCapConfig(min_inflight=2, max_inflight=10, kv_high=0.9, waiting_high=1)
-    assert next_cap(8, inflight=8, waiting=0, kv=0.5, cfg=cfg) == 9  # saturated, engine idle: +1
-    assert next_cap(8, inflight=3, waiting=0, kv=0.5, cfg=cfg) == 8  # not using the cap: hold
-    assert next_cap(8, inflight=8, waiting=5, kv=0.5, cfg=cfg) == 7  # vLLM queue forming: -1/8
-    assert next_cap(16 * 8, inflight=0, waiting=0, kv=0.95, cfg=cfg) == 10  # clamp to max
-    assert next_cap(2, inflight=2, waiting=3, kv=0.99, cfg=cfg) == 2  # never below min
+def test_self_tuning_cap_and_priority_forwarding_are_on_by_default() -> None:
+    cfg = load(None, {"backends": [{"url": "http://a:1"}]}, {})
+    assert cfg.adaptive_cap.enabled and cfg.forward_priority
+    args = build_parser("serve").parse_args(["--backend", "http://x:1", "--no-adaptive-cap"])
+    assert not load(None, overrides(args), {}).adaptive_cap.enabled

@@ -1,0 +1,88 @@
+"""The self-tuning cap's scrape: vLLM's /metrics text → `EngineSample` → the controller."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.backends import BackendPool, read_sample
+from gateway.config import AdaptiveCapConfig, BackendConfig
+from gateway.metrics import GatewayMetrics
+
+TWO_ENGINES = """\
+# HELP vllm:num_requests_waiting Requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 4.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.6
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7
+# HELP vllm:generation_tokens Number of generation tokens processed.
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 100.0
+vllm:generation_tokens_total{engine="1",model_name="m"} 50.0
+"""
+
+
+def test_several_engines_sum_queues_and_counters_and_take_the_fullest_kv() -> None:
+    s = read_sample(TWO_ENGINES)
+    assert s.waiting == 7.0
+    assert s.kv_usage == 0.7  # not 1.3
+    assert s.generation_tokens == 150.0
+
+
+def test_missing_series_are_unknown_not_zero() -> None:
+    only_kv = "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.2\n"
+    s = read_sample(only_kv)
+    assert s.kv_usage == 0.2 and s.waiting is None and s.generation_tokens is None
+    assert read_sample("# TYPE other gauge\nother 1\n") == read_sample("")
+    assert read_sample("").waiting is None
+
+
+def test_v0_names_are_read_too() -> None:
+    text = (
+        "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.5\n"
+        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+    )
+    s = read_sample(text)
+    assert s.kv_usage == 0.5 and s.waiting == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "status", "expect"),
+    [
+        (TWO_ENGINES, 200, 16 - 7 + 2),  # 7 waiting in vLLM: cap to what it runs + allowance
+        ("", 404, 16),  # no /metrics: nothing known, the configured cap holds
+    ],
+)
+async def test_one_scrape_steps_the_controller(text: str, status: int, expect: int) -> None:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=text, status=status)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    woken: list[int] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            pool = BackendPool(
+                [BackendConfig(url=f"http://127.0.0.1:{port}", name="b", max_inflight=16)],
+                session,
+                GatewayMetrics(),
+                on_capacity=lambda: woken.append(1),
+                health_interval_s=60.0,
+                adaptive=AdaptiveCapConfig(),
+            )
+            b = pool.backends[0]
+            b.healthy, b.inflight = True, 16
+            await pool._adapt(b)
+            assert b.cap == expect
+    finally:
+        await runner.cleanup()
+    assert not woken  # the cap did not grow
