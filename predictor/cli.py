@@ -38,6 +38,18 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ev.add_argument("--test", required=True, type=Path, help="JSONL {prompt, output_tokens}")
     ev.add_argument("--json", action="store_true", help="machine-readable output")
     ev.add_argument(
+        "--cv-folds",
+        type=int,
+        default=5,
+        help="choose settings by k-fold CV on --train only (0: use the config as given)",
+    )
+    ev.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path(".cache/predictor"),
+        help="embeddings cache (an .npz per file and clip setting)",
+    )
+    ev.add_argument(
         "--set",
         action="append",
         default=[],
@@ -45,7 +57,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="override a PredictorConfig field (repeatable)",
     )
     bd = sub.add_parser("build-dataset", help="write train/test JSONL from the shared prompts")
-    bd.add_argument("--source", choices=("sharegpt", "alpaca"), default="sharegpt")
+    bd.add_argument("--source", choices=("sharegpt", "alpaca", "mt_bench"), default="sharegpt")
     bd.add_argument("--train-out", required=True, type=Path)
     bd.add_argument("--test-out", required=True, type=Path)
     bd.add_argument("--n-train", type=int, default=DEFAULT_N_TRAIN)
@@ -70,9 +82,11 @@ def _eval(args: argparse.Namespace) -> int:
         LengthRegressionBaseline,
         Predictor,
         SemanticPredictor,
+        cached_embeddings,
         evaluate,
     )
     from predictor.model import LengthPredictor, read_jsonl
+    from predictor.tuning import cross_validate
 
     config = _config(args.set)
     model = LengthPredictor(config)
@@ -81,21 +95,36 @@ def _eval(args: argparse.Namespace) -> int:
         missing = [r for r in records if "prompt_tokens" not in r]
         for r, n in zip(missing, model.count_tokens([r["prompt"] for r in missing]), strict=True):
             r["prompt_tokens"] = n
+    chosen: dict[str, Any] = {}
+    if args.cv_folds > 1:
+        vectors = cached_embeddings(model, [r["prompt"] for r in train], args.cache_dir)
+        config, _ = cross_validate(model, train, vectors, folds=args.cv_folds)
+        base = PredictorConfig().to_dict()
+        chosen = {k: v for k, v in config.to_dict().items() if v != base[k]}
+        model = LengthPredictor(config, embedder=model.embedder)
     predictors: list[Predictor] = [
-        SemanticPredictor(model),
+        SemanticPredictor(model, args.cache_dir),
         GlobalBaseline(config.bucket_count),
         LengthRegressionBaseline(config.bucket_count),
     ]
     results = evaluate(predictors, train, test)
     if args.json:
-        print(json.dumps(results, indent=2, sort_keys=True))
+        out = {"results": results, "chosen_by_cv": chosen, "config": config.to_dict()}
+        print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    print(f"train {len(train)} / test {len(test)} records; config {config.to_dict()}")
-    cols = ["mae_median", "spearman", "kendall_tau", "coverage_10_90"]
-    cols += ["pinball_0.1", "pinball_0.5", "pinball_0.9", "predict_ms_per_item"]
-    print(f"{'predictor':<18}" + "".join(f"{c:>20}" for c in cols))
+    print(f"train {len(train)} / test {len(test)} records; chosen by {args.cv_folds}-fold CV "
+          f"on train (differences from the defaults): {chosen}")  # fmt: skip
+    cols = ["kendall_tau", "kendall_tau_median", "kendall_tau_mean", "mae_median"]
+    cols += ["coverage_10_90", "spearman", "pinball_0.5", "predict_ms_per_item"]
+    print(f"{'predictor':<18}" + "".join(f"{c:>19}" for c in cols))
     for name, row in results.items():
-        print(f"{name:<18}" + "".join(f"{row[c]:>20.3f}" for c in cols))
+        print(f"{name:<18}" + "".join(f"{row[c]:>19.3f}" for c in cols))
+    glob = results["global"]["mae_median"]
+    sem = results["semantic"]
+    print(
+        f"semantic MAE of the median vs global: {100 * (sem['mae_median'] / glob - 1):+.1f}%; "
+        f"ltr ranking score tau: {sem.get('kendall_tau_rank_score', float('nan')):.3f}"
+    )
     return 0
 
 

@@ -37,7 +37,25 @@ class PredictorConfig:
     (keeps tails honest when all neighbours agree)."""
 
     bucket_count: int = 24
-    """Most support points of a predicted `LengthDist` (log-spaced buckets)."""
+    """Support points of a predicted `LengthDist`: equal-mass quantiles of the blended
+    samples (log-spaced buckets before version 2 lost order, see docs/predictor.md)."""
+
+    ridge_weight: float = 0.0
+    """Share of the online ridge regression (log length on the embedding) in the predicted
+    centre; the rest is the neighbours' weighted mean log length. 0 = pure nearest
+    neighbours. Falls back to the neighbours until the ridge has learned `min_neighbours`·4."""
+
+    neighbour_spread_scale: float = 1.0
+    """The neighbours' log lengths keep their spread around the centre times this (< 1
+    sharpens, > 1 widens)."""
+
+    ridge_l2: float = 1.0
+    """Ridge penalty on the embedding weights."""
+
+    model_min_items: int = 200
+    """A served model's own history answers its predictions once it holds this many
+    completions; until then the default history (warm start, requests without a model name,
+    version-1 snapshots) answers. Learning always goes to the model's own history."""
 
     capacity_items: int = 100_000
     """History ring size: the oldest completed request is replaced beyond this."""
@@ -112,6 +130,7 @@ class PredictorConfig:
             "encode_batch_items",
             "max_pending_items",
             "band_min_items",
+            "model_min_items",
         ]
         for name in positive:
             if getattr(self, name) < 1:
@@ -124,6 +143,10 @@ class PredictorConfig:
             raise ValueError("prompt_length_scale_log must be >= 0")
         if self.similarity_temperature <= 0:
             raise ValueError("similarity_temperature must be > 0")
+        if not 0.0 <= self.ridge_weight <= 1.0:
+            raise ValueError("ridge_weight must be in [0, 1]")
+        if self.neighbour_spread_scale < 0 or self.ridge_l2 <= 0:
+            raise ValueError("neighbour_spread_scale must be >= 0 and ridge_l2 > 0")
         if not 0.0 <= self.prior_weight < 1.0:
             raise ValueError("prior_weight must be in [0, 1)")
         if not 0.0 <= self.embed_head_fraction <= 1.0:

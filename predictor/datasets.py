@@ -1,7 +1,8 @@
 """Build `{prompt, output_tokens, prompt_tokens}` JSONL files from the shared prompt sets.
 
 Sources (see shared/data/SOURCES.md): ShareGPT (the first human turn of a conversation, answered
-by the gpt turn right after it) and Alpaca (instruction + input → output). Token counts come
+by the gpt turn right after it), Alpaca (instruction + input → output) and MT-Bench (each turn
+of the 30 questions with a GPT-4 reference answer; 60 records, a test set only). Token counts come
 from the BERT word-piece tokenizer bundled with the MiniLM package (`predictor.embedder.
 load_tokenizer`), offline. It only approximates the serving model's tokenizer (Llama/Qwen BPE
 counts differ by roughly ±20% on English text), which is fine for learning *relative* lengths;
@@ -23,7 +24,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAREGPT_FILE = "prompts/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.part-first17671.json.gz"
 ALPACA_FILE = "prompts/alpaca/alpaca_5000.json.gz"
-SOURCES = ("sharegpt", "alpaca")
+MT_BENCH_QUESTIONS = "prompts/mt_bench/question.jsonl.gz"
+MT_BENCH_ANSWERS = "prompts/mt_bench/reference_answer/gpt-4.jsonl.gz"
+SOURCES = ("sharegpt", "alpaca", "mt_bench")
 
 
 def shared_data_dir() -> Path:
@@ -60,6 +63,22 @@ def alpaca_pairs(path: Path) -> Iterator[tuple[str, str, str]]:
             yield str(i), prompt, row["output"]
 
 
+def mt_bench_pairs(questions: Path, answers: Path) -> Iterator[tuple[str, str, str]]:
+    """(question_id/turn, user turn, GPT-4 reference answer) for every turn of the 30
+    questions that have a reference answer (math, reasoning, coding): 60 pairs. A second turn
+    is embedded alone, as `predictor.request_text` embeds the last user turn of a chat."""
+    with gzip.open(questions, "rt", encoding="utf-8") as f:
+        turns = {q["question_id"]: q["turns"] for q in map(json.loads, f) if q}
+    with gzip.open(answers, "rt", encoding="utf-8") as f:
+        for row in map(json.loads, f):
+            asked = turns.get(row["question_id"], [])
+            for t, (prompt, answer) in enumerate(
+                zip(asked, row["choices"][0]["turns"], strict=False)
+            ):
+                if prompt.strip() and answer.strip():
+                    yield f"{row['question_id']}/{t + 1}", prompt, answer
+
+
 def load_pairs(source: str, data_dir: Path | None = None) -> list[tuple[str, str, str]]:
     """Deduplicated (id, prompt, response) pairs of a source, in file order."""
     base = data_dir or shared_data_dir()
@@ -67,6 +86,8 @@ def load_pairs(source: str, data_dir: Path | None = None) -> list[tuple[str, str
         pairs = sharegpt_pairs(base / SHAREGPT_FILE)
     elif source == "alpaca":
         pairs = alpaca_pairs(base / ALPACA_FILE)
+    elif source == "mt_bench":
+        pairs = mt_bench_pairs(base / MT_BENCH_QUESTIONS, base / MT_BENCH_ANSWERS)
     else:
         raise ValueError(f"unknown source {source!r}; known: {', '.join(SOURCES)}")
     seen: set[str] = set()

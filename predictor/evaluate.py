@@ -6,9 +6,11 @@ and predicts a `LengthDist` per test record. Scores (all lengths in tokens):
 - `mae_median`: mean |median − truth|;
 - `spearman`: Spearman rank correlation of predicted mean with truth;
 - `kendall_tau`: Kendall τ-b between the *scheduling order* the prediction induces and the
-  truth: jobs ordered by descending Gittins index (tokens cost, nothing generated yet), as
-  SageSched orders its queue at admission. +1 = shortest truly first; 0 = no information
-  (a predictor that gives everyone the same distribution scores 0, not NaN);
+  truth: jobs ordered by descending Gittins index of the `kv` cost (O²/2 + I·O at a fixed
+  I = `KEY_PROMPT_TOKENS`, nothing generated yet), as SageSched orders its queue at
+  admission. +1 = shortest truly first; 0 = no information (a predictor that gives everyone
+  the same distribution scores 0, not NaN); `kendall_tau_median`, `kendall_tau_mean`: the
+  same for the predicted median and mean;
 - `pinball_0.1/0.5/0.9`: quantile loss of the predicted quantiles;
 - `coverage_10_90`: share of truths inside the predicted [q10, q90] interval (ideal 0.8).
 
@@ -19,15 +21,19 @@ empirical quantiles as the spread).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from policies import LengthDist, gittins_index
+from policies.cost import KVCost
 from predictor.model import LengthPredictor
 
 Record = dict[str, Any]
@@ -60,12 +66,21 @@ def _rank_corr(kind: str, x: NDArray[np.float64], y: NDArray[np.float64]) -> flo
     return 0.0 if math.isnan(value) else value
 
 
-def scheduling_key(dist: LengthDist) -> float:
-    """The admission order key the prediction induces: −Gittins index (lower goes first)."""
-    return -gittins_index(dist.support, dist.probs, 0.0)
+KEY_PROMPT_TOKENS = 256.0
+"""The fixed prompt length at which `scheduling_key` prices a prediction, so τ measures the
+output-length prediction alone (the queue itself uses each job's own prompt length)."""
 
 
-def score(dists: Sequence[LengthDist], truth: Sequence[float]) -> dict[str, float]:
+def scheduling_key(dist: LengthDist, prompt_tokens: float = KEY_PROMPT_TOKENS) -> float:
+    """The admission order key SageSched gives the prediction: −Gittins index of the `kv`
+    cost distribution (O²/2 + I·O) at zero attained service (lower goes first)."""
+    cost = KVCost().cost(prompt_tokens, dist.support)
+    return -gittins_index(cost, dist.probs, 0.0)
+
+
+def score(
+    dists: Sequence[LengthDist], truth: Sequence[float] | NDArray[np.float64]
+) -> dict[str, float]:
     """The metrics above for predictions `dists` of lengths `truth`."""
     y = np.asarray(truth, dtype=np.float64)
     qs = {q: np.array([d.quantile(q) for d in dists]) for q in QUANTILES}
@@ -75,6 +90,8 @@ def score(dists: Sequence[LengthDist], truth: Sequence[float]) -> dict[str, floa
         "mae_median": float(np.mean(np.abs(qs[0.5] - y))),
         "spearman": _rank_corr("spearman", mean, y),
         "kendall_tau": _rank_corr("kendall", key, y),
+        "kendall_tau_median": _rank_corr("kendall", qs[0.5], y),
+        "kendall_tau_mean": _rank_corr("kendall", mean, y),
         "coverage_10_90": float(np.mean((qs[0.1] <= y) & (y <= qs[0.9]))),
     }
     out.update({f"pinball_{q}": pinball(q, qs[q], y) for q in QUANTILES})
@@ -127,23 +144,57 @@ class LengthRegressionBaseline:
 
 
 class SemanticPredictor:
-    """The semantic history predictor, fitted by observing every train record."""
+    """The semantic history predictor, fitted by learning every train record online (in
+    file order). With `cache_dir`, embeddings come from `cached_embeddings`. After `predict`,
+    `rank_scores` holds the ranking model's score per test record (for the `ltr` policy)."""
 
     name = "semantic"
 
-    def __init__(self, model: LengthPredictor) -> None:
+    def __init__(
+        self, model: LengthPredictor, cache_dir: str | os.PathLike[str] | None = None
+    ) -> None:
         self.model = model
+        self.cache_dir = cache_dir
+        self.rank_scores: list[float] = []
 
     def fit(self, train: Sequence[Record]) -> None:
-        self.model.observe_many(
-            [r["prompt"] for r in train],
-            [int(r["output_tokens"]) for r in train],
-            [int(r["prompt_tokens"]) for r in train],
+        vectors = cached_embeddings(self.model, [r["prompt"] for r in train], self.cache_dir)
+        self.model.learn_vectors(
+            vectors,
+            [float(r["output_tokens"]) for r in train],
+            [float(r["prompt_tokens"]) for r in train],
         )
 
     def predict(self, test: Sequence[Record]) -> list[LengthDist]:
-        vectors = self.model.embed([r["prompt"] for r in test])
-        return self.model.predict_vectors(vectors, [float(r["prompt_tokens"]) for r in test])
+        vectors = cached_embeddings(self.model, [r["prompt"] for r in test], self.cache_dir)
+        prompts = [float(r["prompt_tokens"]) for r in test]
+        self.rank_scores = self.model.rank_scores(vectors, prompts)
+        return self.model.predict_vectors(vectors, prompts)
+
+
+def cached_embeddings(
+    model: LengthPredictor, prompts: Sequence[str], cache_dir: str | os.PathLike[str] | None
+) -> NDArray[np.float32]:
+    """Embeddings of `prompts` as `model` makes them (clipped text, its embedder), read from
+    `cache_dir/emb-<hash>.npz` when an earlier run stored them. The hash covers the model
+    folder's name and every clipped text, so another clip length or model misses the cache.
+    Without `cache_dir`, embeds."""
+    texts = [model.text(p) for p in prompts]
+    if cache_dir is None:
+        return model.embedder.encode(texts)
+    digest = hashlib.sha256(str(model.embedder.path.name).encode())
+    for t in texts:
+        digest.update(hashlib.sha256(t.encode()).digest())
+    path = Path(cache_dir) / f"emb-{digest.hexdigest()[:24]}.npz"
+    if path.exists():
+        with np.load(path) as z:
+            return np.asarray(z["vectors"], dtype=np.float32)
+    vectors = model.embedder.encode(texts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, vectors=vectors)
+    os.replace(tmp, path)
+    return vectors
 
 
 def evaluate(
@@ -164,4 +215,8 @@ def evaluate(
             "fit_s": t1 - t0,
             "predict_ms_per_item": (t2 - t1) * 1000.0 / max(len(test), 1),
         }
+        ranks = getattr(p, "rank_scores", None)
+        if ranks:
+            y = np.asarray(truth)
+            results[p.name]["kendall_tau_rank_score"] = _rank_corr("kendall", np.asarray(ranks), y)
     return results

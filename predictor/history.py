@@ -129,7 +129,74 @@ class HistoryIndex:
             slots = (self._added - 1 - np.arange(n)) % self.capacity
             return self._output[slots].copy(), self._prompt[slots].copy()
 
+    def items_in_order(
+        self,
+    ) -> tuple[NDArray[np.float32], NDArray[np.float64], NDArray[np.float64]]:
+        """Every held item, oldest first: (embeddings, output tokens, prompt tokens). Used to
+        retrain the online models after loading a snapshot that has none."""
+        with self._lock:
+            n = len(self)
+            slots = (self._added - n + np.arange(n)) % self.capacity
+            if n == 0:
+                return np.zeros((0, self.dim), np.float32), np.zeros(0), np.zeros(0)
+            vectors = np.asarray(self._index.get_items(slots), dtype=np.float32)
+            return vectors, self._output[slots].copy(), self._prompt[slots].copy()
+
     # -- persistence ------------------------------------------------------------------
+
+    def to_arrays(self, prefix: str) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        """(JSON-able header, arrays) of this index, array names prefixed (a snapshot member
+        set; `from_arrays` inverts it)."""
+        with tempfile.TemporaryDirectory(prefix="sagesched-hnsw-") as tmp:
+            with self._lock:
+                self._index.save_index(str(Path(tmp) / "index.bin"))
+                header = {
+                    "dim": self.dim,
+                    "capacity_items": self.capacity,
+                    "added": self._added,
+                    "m": self.m,
+                    "ef_construction": self.ef_construction,
+                }
+                output, prompt = self._output.copy(), self._prompt.copy()
+            graph = np.fromfile(Path(tmp) / "index.bin", dtype=np.uint8)
+        return header, {
+            f"{prefix}output": output,
+            f"{prefix}prompt": prompt,
+            f"{prefix}graph": graph,
+        }
+
+    @classmethod
+    def from_arrays(
+        cls,
+        header: dict[str, Any],
+        arrays: dict[str, NDArray[Any]],
+        prefix: str,
+        *,
+        dim: int,
+        ef_search: int = 64,
+        source: str = "snapshot",
+    ) -> HistoryIndex:
+        """Inverse of `to_arrays`; `SnapshotError` when the embedding dimension is not `dim`."""
+        if header["dim"] != dim:
+            raise SnapshotError(
+                f"{source} holds {header['dim']}-d embeddings but the embedder makes "
+                f"{dim}-d ones (another embedding model?); rebuild it with `warm`"
+            )
+        self = cls(
+            dim,
+            int(header["capacity_items"]),
+            m=int(header["m"]),
+            ef_construction=int(header["ef_construction"]),
+            ef_search=ef_search,
+        )
+        with tempfile.TemporaryDirectory(prefix="sagesched-hnsw-") as tmp:
+            arrays[f"{prefix}graph"].tofile(Path(tmp) / "index.bin")
+            self._index.load_index(str(Path(tmp) / "index.bin"), max_elements=self.capacity)
+        self._index.set_ef(ef_search)
+        self._output[:] = arrays[f"{prefix}output"]
+        self._prompt[:] = arrays[f"{prefix}prompt"]
+        self._added = int(header["added"])
+        return self
 
     def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         """Write a snapshot atomically: temp file in the same folder, fsync, rename, fsync
@@ -163,28 +230,13 @@ class HistoryIndex:
     def load(
         cls, path: str | os.PathLike[str], *, dim: int, ef_search: int = 64
     ) -> tuple[HistoryIndex, dict[str, Any]]:
-        """Read a snapshot; returns the index and the header's `extra`. Raises
-        `SnapshotError` on another format or version, or an embedding dimension ≠ `dim`."""
+        """Read a (version 1, one index) snapshot; returns the index and the header's
+        `extra`. Raises `SnapshotError` on another format or version, or an embedding
+        dimension ≠ `dim`."""
         header, arrays = _read(Path(path))
-        if header["dim"] != dim:
-            raise SnapshotError(
-                f"snapshot {path} holds {header['dim']}-d embeddings but the embedder makes "
-                f"{dim}-d ones (another embedding model?); rebuild it with `warm`"
-            )
-        self = cls(
-            dim,
-            int(header["capacity_items"]),
-            m=int(header["m"]),
-            ef_construction=int(header["ef_construction"]),
-            ef_search=ef_search,
+        self = cls.from_arrays(
+            header, arrays, "", dim=dim, ef_search=ef_search, source=f"snapshot {path}"
         )
-        with tempfile.TemporaryDirectory(prefix="sagesched-hnsw-") as tmp:
-            arrays["graph"].tofile(Path(tmp) / "index.bin")
-            self._index.load_index(str(Path(tmp) / "index.bin"), max_elements=self.capacity)
-        self._index.set_ef(ef_search)
-        self._output[:] = arrays["output"]
-        self._prompt[:] = arrays["prompt"]
-        self._added = int(header["added"])
         return self, dict(header["extra"])
 
 
@@ -214,6 +266,26 @@ def _read(path: Path, header_only: bool = False) -> tuple[dict[str, Any], dict[s
             raise
         raise SnapshotError(f"cannot read predictor snapshot {path}: {exc}") from exc
     return header, arrays
+
+
+def atomic_savez(path: str | os.PathLike[str], arrays: dict[str, NDArray[Any]]) -> None:
+    """Write an .npz atomically: temp file in the same folder, fsync, rename, fsync folder
+    (a crash leaves either the old or the new file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".snap-") as tmp:
+        part = Path(tmp) / "snapshot.npz"
+        with open(part, "wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, target)
+    _fsync_dir(target.parent)
+
+
+def json_member(obj: dict[str, Any]) -> NDArray[np.uint8]:
+    """A JSON object as a uint8 snapshot member (no pickle)."""
+    return _json_bytes(obj)
 
 
 def _fsync_dir(folder: Path) -> None:

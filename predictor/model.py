@@ -18,17 +18,25 @@ import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
 from policies import LengthDist
 from predictor.config import PredictorConfig
 from predictor.embedder import AsyncEmbedder, Embedder, Embeddings
-from predictor.history import HistoryIndex, Neighbours, SnapshotError, read_header
+from predictor.history import HistoryIndex, Neighbours, SnapshotError
+from predictor.state import (
+    DEFAULT_MODEL,
+    ModelState,
+    load_states,
+    read_snapshot_header,
+    save_states,
+)
 from predictor.text import clip_text
 
 _PRIOR_SIGMA = 1.0  # log-space spread of the cold-start prior (±1σ ≈ ×2.7)
@@ -40,25 +48,74 @@ def prior_dist(median_tokens: float, points: int = 16) -> LengthDist:
     return LengthDist.from_samples(median_tokens * np.exp(_PRIOR_SIGMA * np.asarray(z)))
 
 
-def blend(
-    nb: Neighbours,
-    background: LengthDist,
-    cfg: PredictorConfig,
-    prompt_tokens: float | None = None,
-) -> LengthDist:
-    """The predicted distribution from neighbours and the background (global) one."""
-    if len(nb) == 0:
-        return background
+def neighbour_weights(
+    nb: Neighbours, cfg: PredictorConfig, prompt_tokens: float | None = None
+) -> NDArray[np.float64]:
+    """Normalised weight of each neighbour: exp((similarity − best) / temperature), times
+    exp(−|log prompt-length ratio| / `prompt_length_scale_log`)."""
     logw = (nb.similarity - nb.similarity.max()) / cfg.similarity_temperature
     if prompt_tokens is not None and cfg.prompt_length_scale_log > 0:
         ratio = np.log(np.maximum(nb.prompt_tokens, 1.0) / max(prompt_tokens, 1.0))
         logw -= np.abs(ratio) / cfg.prompt_length_scale_log
     w = np.exp(logw - logw.max())
+    return np.asarray(w / w.sum())
+
+
+def quantile_points(log_x: NDArray[np.float64], w: NDArray[np.float64], n: int) -> LengthDist:
+    """The weighted sample (log lengths) as `n` equal-mass quantile points. Unlike fixed
+    log-spaced buckets over the sample's range, the points follow the mass, so a sharp
+    distribution stays sharp and the median moves smoothly with the neighbours."""
+    order = np.argsort(log_x, kind="stable")
+    x, cum = log_x[order], np.cumsum(w[order])
+    levels = (np.arange(n) + 0.5) / n * cum[-1]
+    picks = x[np.minimum(np.searchsorted(cum, levels), x.size - 1)]
+    return LengthDist.from_samples(np.exp(picks))
+
+
+def blend(
+    nb: Neighbours,
+    background: LengthDist,
+    cfg: PredictorConfig,
+    prompt_tokens: float | None = None,
+    *,
+    ridge_centre: float | None = None,
+    residuals: NDArray[np.float64] | None = None,
+) -> LengthDist:
+    """The predicted distribution from neighbours, the online ridge and the background.
+
+    Centre c (log tokens) = `ridge_weight`·ridge + (1 − `ridge_weight`)·the neighbours'
+    weighted mean log length (all ridge with no usable neighbours). Samples: each neighbour's
+    log length, moved so the neighbours' mean sits on c and its spread scaled by
+    `neighbour_spread_scale`; the background share g = max(`prior_weight`, missing
+    neighbours) is c + the ridge's recent prequential residuals when the ridge is trained,
+    else the global distribution. The blend becomes `bucket_count` equal-mass points."""
+    use_ridge = ridge_centre is not None and residuals is not None and residuals.size >= 16
+    if len(nb) == 0 and not use_ridge:
+        return background
     missing = max(cfg.min_neighbours - len(nb), 0) / cfg.min_neighbours
     g = max(cfg.prior_weight, missing)
-    samples = np.concatenate([nb.output_tokens, background.support])
-    weights = np.concatenate([w / w.sum() * (1.0 - g), background.probs * g])
-    return LengthDist.from_samples(samples, weights, max_points=cfg.bucket_count)
+    logs: list[NDArray[np.float64]] = []
+    weights: list[NDArray[np.float64]] = []
+    if len(nb) > 0:
+        w = neighbour_weights(nb, cfg, prompt_tokens)
+        log_nb = np.log(np.maximum(nb.output_tokens, 1.0))
+        knn_centre = float(w @ log_nb)
+        centre = knn_centre
+        if use_ridge:
+            alpha = max(cfg.ridge_weight, missing)
+            centre = alpha * float(ridge_centre) + (1.0 - alpha) * knn_centre  # type: ignore[arg-type]
+        logs.append(centre + cfg.neighbour_spread_scale * (log_nb - knn_centre))
+        weights.append(w * (1.0 - g))
+    else:
+        centre, g = float(ridge_centre), 1.0  # type: ignore[arg-type]
+    if use_ridge:
+        assert residuals is not None
+        logs.append(centre + residuals)
+        weights.append(np.full(residuals.size, g / residuals.size))
+    else:
+        logs.append(np.log(background.support))
+        weights.append(background.probs * g)
+    return quantile_points(np.concatenate(logs), np.concatenate(weights), cfg.bucket_count)
 
 
 def prompt_band(prompt_tokens: float) -> int:
@@ -68,6 +125,11 @@ def prompt_band(prompt_tokens: float) -> int:
 
 class LengthPredictor:
     """Predicts output-length distributions and learns from completed requests.
+
+    Per served model: every method takes an optional `model` (the request's model name); each
+    model learns into its own history and online models, so two models behind one gateway are
+    never mixed. A model with fewer than `model_min_items` completions of its own is answered
+    from the default state (warm start, requests without a model, version-1 snapshots).
 
     Sync methods block (embedding ≈ 10 ms, lookup ≈ 0.3 ms) and are thread-safe. On an event
     loop use `predict_async` / `observe_async`: they batch embeddings with concurrent callers
@@ -80,28 +142,40 @@ class LengthPredictor:
         *,
         embedder: Embedder | None = None,
         index: HistoryIndex | None = None,
+        states: dict[str, ModelState] | None = None,
     ) -> None:
         self.config = cfg = config or PredictorConfig()
-        self.embedder = embedder or Embedder(
-            device=cfg.device,
-            torch_threads=cfg.torch_threads,
-            encode_batch_items=cfg.encode_batch_items,
-        )
-        if index is None:
-            index = HistoryIndex(
-                self.embedder.dim,
-                cfg.capacity_items,
-                m=cfg.hnsw_m,
-                ef_construction=cfg.hnsw_ef_construction,
-                ef_search=cfg.hnsw_ef_search,
-            )
-        if index.dim != self.embedder.dim:
+        self.embedder = embedder or Embedder.from_config(cfg)
+        if index is not None and index.dim != self.embedder.dim:
             raise SnapshotError(f"index is {index.dim}-d, embedder {self.embedder.dim}-d")
-        self.index = index
+        self._states = states or {DEFAULT_MODEL: ModelState.new(self.embedder.dim, cfg, index)}
+        self._states_lock = threading.Lock()
         self._prior = prior_dist(cfg.prior_median_tokens)
-        self._global_cache: dict[int | None, tuple[int, LengthDist]] = {}
-        self._cache_lock = threading.Lock()
         self._async: AsyncEmbedder | None = None
+
+    @property
+    def index(self) -> HistoryIndex:
+        """The default state's history."""
+        return self._states[DEFAULT_MODEL].index
+
+    def models(self) -> list[str]:
+        """Names of the served models with a state of their own ("" = the default)."""
+        return sorted(self._states)
+
+    def state(self, model: str | None = None) -> ModelState:
+        """The state that answers for `model`: its own once it holds `model_min_items`,
+        else the default one."""
+        own = self._states.get(model or DEFAULT_MODEL)
+        if own is not None and (not model or len(own.index) >= self.config.model_min_items):
+            return own
+        return self._states[DEFAULT_MODEL]
+
+    def _own_state(self, model: str | None) -> ModelState:
+        name = model or DEFAULT_MODEL
+        with self._states_lock:
+            if name not in self._states:
+                self._states[name] = ModelState.new(self.embedder.dim, self.config)
+            return self._states[name]
 
     # -- embedding --------------------------------------------------------------------
 
@@ -123,18 +197,21 @@ class LengthPredictor:
 
     # -- prediction -------------------------------------------------------------------
 
-    def global_dist(self, prompt_tokens: float | None = None) -> LengthDist:
-        """Distribution of the `global_window_items` latest completions (in the prompt's
-        length band when it holds `band_min_items`), or the prior when nothing is learned.
-        Cached; recomputed after 1% of the window has been replaced."""
+    def global_dist(
+        self, prompt_tokens: float | None = None, *, model: str | None = None
+    ) -> LengthDist:
+        """Distribution of the `global_window_items` latest completions of `model` (in the
+        prompt's length band when it holds `band_min_items`), or the prior when nothing is
+        learned. Cached; recomputed after 1% of the window has been replaced."""
         cfg = self.config
+        st = self.state(model)
         band = None if prompt_tokens is None else prompt_band(prompt_tokens)
         stale_after = max(cfg.global_window_items // 100, 1)
-        with self._cache_lock:
-            hit = self._global_cache.get(band)
-            if hit is not None and self.index.added - hit[0] < stale_after:
+        with st.lock:
+            hit = st.global_cache.get(band)
+            if hit is not None and st.index.added - hit[0] < stale_after:
                 return hit[1]
-        out, prm = self.index.recent(cfg.global_window_items)
+        out, prm = st.index.recent(cfg.global_window_items)
         if out.size == 0:
             dist = self._prior
         else:
@@ -143,8 +220,8 @@ class LengthPredictor:
                 if same.sum() >= cfg.band_min_items:
                     out = out[same]
             dist = LengthDist.from_samples(out, max_points=cfg.bucket_count)
-        with self._cache_lock:
-            self._global_cache[band] = (self.index.added, dist)
+        with st.lock:
+            st.global_cache[band] = (st.index.added, dist)
         return dist
 
     def predict_vector(
@@ -153,30 +230,61 @@ class LengthPredictor:
         *,
         prompt_tokens: float | None = None,
         max_tokens: float | None = None,
+        model: str | None = None,
     ) -> LengthDist:
         """Prediction for an already embedded prompt (blocking, ~0.3 ms)."""
-        cfg = self.config
-        nb = self.index.query(vector, cfg.k_neighbours, cfg.similarity_floor)
-        dist = blend(nb, self.global_dist(prompt_tokens), cfg, prompt_tokens)
+        dist = self.predict_vectors(np.asarray(vector).reshape(1, -1), [prompt_tokens], model)[0]
         return dist if max_tokens is None else dist.truncate(max_tokens)
 
     def predict_vectors(
-        self, vectors: ArrayLike, prompt_tokens: Sequence[float | None]
+        self,
+        vectors: ArrayLike,
+        prompt_tokens: Sequence[float | None],
+        model: str | None = None,
     ) -> list[LengthDist]:
         """`predict_vector` for many rows at once (offline evaluation)."""
         cfg = self.config
-        nbs = self.index.query_many(vectors, cfg.k_neighbours, cfg.similarity_floor)
+        st = self.state(model)
+        x = np.asarray(vectors, dtype=np.float32).reshape(-1, self.embedder.dim)
+        nbs = st.index.query_many(x, cfg.k_neighbours, cfg.similarity_floor)
+        known = [cfg.prior_median_tokens if p is None else p for p in prompt_tokens]
+        centres = st.ridge_centre(x, known) if cfg.ridge_weight > 0 else None
+        resid = st.residuals() if centres is not None else None
         return [
-            blend(nb, self.global_dist(p), cfg, p) for nb, p in zip(nbs, prompt_tokens, strict=True)
+            blend(
+                nb,
+                self.global_dist(p, model=model),
+                cfg,
+                p,
+                ridge_centre=None if centres is None else float(centres[i]),
+                residuals=resid,
+            )
+            for i, (nb, p) in enumerate(zip(nbs, prompt_tokens, strict=True))
         ]
 
+    def rank_scores(
+        self, vectors: ArrayLike, prompt_tokens: Sequence[float | None], model: str | None = None
+    ) -> list[float]:
+        """The learned ranking score of each embedded prompt (higher = predicted longer; only
+        the order matters), for `Job.rank_score` and the `ltr` policy. Blocking, µs."""
+        known = [self.config.prior_median_tokens if p is None else p for p in prompt_tokens]
+        x = np.asarray(vectors, dtype=np.float32).reshape(-1, self.embedder.dim)
+        return [float(v) for v in self.state(model).rank_scores(x, known)]
+
     def predict(
-        self, prompt: str, *, prompt_tokens: float | None = None, max_tokens: float | None = None
+        self,
+        prompt: str,
+        *,
+        prompt_tokens: float | None = None,
+        max_tokens: float | None = None,
+        model: str | None = None,
     ) -> LengthDist:
         """Predicted output length (tokens) for a prompt text, capped at `max_tokens`.
         Blocking (~10 ms on CPU): on an event loop use `predict_async`."""
         vec = self.embed([prompt])[0]
-        return self.predict_vector(vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+        return self.predict_vector(
+            vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
+        )
 
     async def embed_async(self, prompt: str) -> Embeddings:
         """One prompt's embedding, micro-batched with concurrent callers, never blocking the
@@ -185,12 +293,17 @@ class LengthPredictor:
         return await self._async_embedder().embed(self.text(prompt))
 
     async def predict_async(
-        self, prompt: str, *, prompt_tokens: float | None = None, max_tokens: float | None = None
+        self,
+        prompt: str,
+        *,
+        prompt_tokens: float | None = None,
+        max_tokens: float | None = None,
+        model: str | None = None,
     ) -> LengthDist:
         """`predict`, micro-batched with concurrent callers, never blocking the loop."""
         vec = await self.embed_async(prompt)
         return await self.predict_vector_async(
-            vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+            vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
         )
 
     async def predict_vector_async(
@@ -199,10 +312,15 @@ class LengthPredictor:
         *,
         prompt_tokens: float | None = None,
         max_tokens: float | None = None,
+        model: str | None = None,
     ) -> LengthDist:
         """`predict_vector` off the loop (the index query)."""
         return await asyncio.to_thread(
-            self.predict_vector, vector, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+            self.predict_vector,
+            vector,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            model=model,
         )
 
     def _async_embedder(self) -> AsyncEmbedder:
@@ -224,10 +342,20 @@ class LengthPredictor:
 
     # -- learning ---------------------------------------------------------------------
 
-    def observe(self, prompt: str, output_tokens: int, prompt_tokens: int | None = None) -> None:
+    def observe(
+        self,
+        prompt: str,
+        output_tokens: int,
+        prompt_tokens: int | None = None,
+        *,
+        model: str | None = None,
+    ) -> None:
         """Learn one completed request (true output length, tokens). Blocking (~10 ms)."""
         self.observe_many(
-            [prompt], [output_tokens], None if prompt_tokens is None else [prompt_tokens]
+            [prompt],
+            [output_tokens],
+            None if prompt_tokens is None else [prompt_tokens],
+            model=model,
         )
 
     def observe_many(
@@ -236,11 +364,23 @@ class LengthPredictor:
         output_tokens: Sequence[int],
         prompt_tokens: Sequence[int] | None = None,
         batch_size: int | None = None,
+        *,
+        model: str | None = None,
     ) -> None:
         """Learn many completed requests at once (embedding batched)."""
         if prompt_tokens is None:
             prompt_tokens = self.count_tokens(prompts)
-        self.index.add(self.embed(prompts, batch_size), output_tokens, prompt_tokens)
+        self.learn_vectors(self.embed(prompts, batch_size), output_tokens, prompt_tokens, model)
+
+    def learn_vectors(
+        self,
+        vectors: ArrayLike,
+        output_tokens: Sequence[float],
+        prompt_tokens: Sequence[float],
+        model: str | None = None,
+    ) -> None:
+        """Learn already embedded completed requests into `model`'s own state (blocking)."""
+        self._own_state(model).learn(vectors, output_tokens, prompt_tokens)
 
     async def observe_async(
         self,
@@ -249,17 +389,20 @@ class LengthPredictor:
         prompt_tokens: int | None = None,
         *,
         vector: Embeddings | None = None,
+        model: str | None = None,
     ) -> None:
         """`observe` for the gateway: batched embedding (none if `vector`, the prompt's
-        embedding, is given), index update off the loop."""
+        embedding, is given), index and model updates off the loop."""
         vec = vector if vector is not None else await self.embed_async(prompt)
         if prompt_tokens is None:
             prompt_tokens = (await asyncio.to_thread(self.count_tokens, [prompt]))[0]
-        await asyncio.to_thread(self.index.add, vec, [output_tokens], [prompt_tokens])
+        await asyncio.to_thread(self.learn_vectors, vec, [output_tokens], [prompt_tokens], model)
 
-    def warm_start(self, jsonl: str | os.PathLike[str], batch_size: int = 256) -> int:
-        """Learn every `{prompt, output_tokens[, prompt_tokens]}` line of a JSONL file;
-        returns how many were added."""
+    def warm_start(
+        self, jsonl: str | os.PathLike[str], batch_size: int = 256, *, model: str | None = None
+    ) -> int:
+        """Learn every `{prompt, output_tokens[, prompt_tokens]}` line of a JSONL file into
+        `model`'s state (default: the default state); returns how many were added."""
         added = 0
         for chunk in _chunks(read_jsonl(jsonl), batch_size):
             counts = [r.get("prompt_tokens") for r in chunk]
@@ -268,6 +411,7 @@ class LengthPredictor:
                 [r["prompt"] for r in chunk],
                 [int(r["output_tokens"]) for r in chunk],
                 known if len(known) == len(chunk) else None,
+                model=model,
             )
             added += len(chunk)
         return added
@@ -275,9 +419,12 @@ class LengthPredictor:
     # -- persistence ------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Snapshot the history (index + lengths + config) atomically to one file."""
+        """Snapshot every model's state (histories, online models) and the config atomically
+        to one file (format version 2, `predictor.state`)."""
         extra = {"config": self.config.to_dict(), "model": str(self.embedder.path.name)}
-        self.index.save(path, extra=extra)
+        with self._states_lock:
+            states = dict(self._states)
+        save_states(path, states, extra)
 
     @classmethod
     def load(
@@ -287,17 +434,17 @@ class LengthPredictor:
         *,
         embedder: Embedder | None = None,
     ) -> LengthPredictor:
-        """Restore a snapshot. `config` defaults to the snapshot's own; the ring capacity is
-        always the snapshot's. Raises `SnapshotError` on a mismatched embedding dimension."""
+        """Restore a snapshot (version 2, or a version-1 history snapshot, which becomes the
+        default state). `config` defaults to the snapshot's own (fields it lacks keep their
+        defaults); ring capacities are the snapshot's. Raises `SnapshotError` on a mismatched
+        embedding dimension or an unknown format."""
         if config is None:
-            config = PredictorConfig.from_dict(read_header(path)["extra"]["config"])
-        embedder = embedder or Embedder(
-            device=config.device,
-            torch_threads=config.torch_threads,
-            encode_batch_items=config.encode_batch_items,
-        )
-        index, _ = HistoryIndex.load(path, dim=embedder.dim, ef_search=config.hnsw_ef_search)
-        return cls(config, embedder=embedder, index=index)
+            saved = read_snapshot_header(path)["extra"]["config"]
+            known = {f.name for f in fields(PredictorConfig)}
+            config = PredictorConfig.from_dict({k: v for k, v in saved.items() if k in known})
+        embedder = embedder or Embedder.from_config(config)
+        states = load_states(path, config, embedder.dim)
+        return cls(config, embedder=embedder, states=states)
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterable[dict[str, Any]]:
