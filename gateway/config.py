@@ -61,6 +61,20 @@ class AdaptiveCapConfig:
 
 
 @dataclass(frozen=True)
+class TokenizerSettings:
+    """Prompt size from the backend's own tokenizer (vLLM `/tokenize`), see `gateway.prompts`."""
+
+    enabled: bool = True
+    """Count a queued request's prompt with the backend's tokenizer (else characters / 4)."""
+    timeout_s: float = 0.25
+    """Longest wait for `/tokenize`; beyond it the request keeps the characters / 4 estimate."""
+    cache_entries: int = 4096
+    """Counts remembered per backend (LRU, keyed by a hash of the prompt)."""
+    retry_after_s: float = 30.0
+    """A backend without `/tokenize` (404) or that timed out is not asked again for this long."""
+
+
+@dataclass(frozen=True)
 class PredictorSettings:
     """The semantic length predictor in the gateway."""
 
@@ -114,6 +128,7 @@ class GatewayConfig:
     """Send the job's policy key at dispatch, quantised to vLLM's integer `priority`
     (`policies.capacity.priority_level`), to backends with `priority_scheduling`."""
     adaptive_cap: AdaptiveCapConfig = field(default_factory=AdaptiveCapConfig)
+    tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
     predictor: PredictorSettings = field(default_factory=PredictorSettings)
     log_level: str = "INFO"
     """Python logging level."""
@@ -192,6 +207,8 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"{key} must be >= 1")
     if config.queue_timeout_s <= 0:
         raise ConfigError("queue_timeout_s must be > 0")
+    if config.tokenizer.timeout_s <= 0 or config.tokenizer.cache_entries < 0:
+        raise ConfigError("tokenizer.timeout_s must be > 0 and tokenizer.cache_entries >= 0")
     from policies import parse_policy
 
     try:

@@ -150,6 +150,13 @@ class Dispatcher:
             )
         return ticket.future.result()
 
+    def resized(self, job: Job) -> None:
+        """`job.prompt_tokens` changed (the backend's tokenizer counted the prompt): a waiting
+        job is rekeyed; a running one is compared by its new size from now on."""
+        sched = self._schedulers.get(job.ctx.call.model)
+        if sched is not None and job in sched.queue:
+            sched.queue.rekey(job, self._clock())
+
     def progress(self, job: Job, tokens: int) -> None:
         """`tokens` more output tokens were relayed for a running job."""
         sched = self.scheduler(job.ctx.call.model)

@@ -136,6 +136,11 @@ class UpstreamRejected(GatewayError):
             data = None
         if isinstance(data, dict) and "error" in data:
             return data
+        if isinstance(data, dict) and "detail" in data:  # FastAPI's own (unknown route, 422)
+            detail = data["detail"]
+            message = detail if isinstance(detail, str) else json.dumps(detail)[:2000]
+            error = {"message": message, "type": self.type, "param": None, "code": self.status}
+            return {"error": error}
         if isinstance(data, dict) and "message" in data:  # vLLM's older flat error form
             error = {
                 "message": data["message"],

@@ -49,6 +49,10 @@ class RequestTrace:
     first_token: float | None = None
     finished: float | None = None
     output_tokens: int = 0
+    prompt_tokens: int | None = None
+    """The backend's count (`usage.prompt_tokens`), once the answer reported it."""
+    prompt_count_source: str | None = None
+    """How the prompt was sized before dispatch: `tokenizer`, `cache` or `estimate`."""
     predicted_median: float | None = None
     predictor_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
@@ -100,6 +104,16 @@ class GatewayMetrics:
         self.output_tokens = Counter(
             "sagesched_output_tokens", "Output tokens relayed.", ("model", "backend"), registry=r
         )
+        self.prompt_tokens = Counter(
+            "sagesched_prompt_tokens", "Prompt tokens of answered requests (the backend's usage).",
+            ("model", "backend"), registry=r,
+        )  # fmt: skip
+        self.prompt_counts = Counter(
+            "sagesched_prompt_counts",
+            "Queued requests sized before dispatch, by source: the backend's tokenizer, the "
+            "gateway's cache of its counts, or the characters/4 estimate (fallback).",
+            ("model", "source"), registry=r,
+        )  # fmt: skip
         self.preemptions = Counter(
             "sagesched_preemptions", "Running requests preempted and requeued.",
             ("model", "backend", "policy"), registry=r,
@@ -138,6 +152,10 @@ class GatewayMetrics:
             self.queue_wait.labels(t.model, t.policy).observe(t.dispatched - t.arrived)
         if t.predictor_s is not None:
             self.predictor_latency.labels(t.model).observe(t.predictor_s)
+        if t.prompt_count_source is not None:
+            self.prompt_counts.labels(t.model, t.prompt_count_source).inc()
+        if t.prompt_tokens is not None and t.backend:
+            self.prompt_tokens.labels(t.model, t.backend).inc(t.prompt_tokens)
         if t.first_token is None or not t.backend:
             return
         labels = (t.model, t.backend, t.policy)

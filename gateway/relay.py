@@ -21,13 +21,15 @@ from gateway.backends import Backend
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher, Ticket
 from gateway.errors import GatewayError, Outcome, UpstreamBroken, UpstreamRejected, sse_error_event
-from gateway.openai_api import upstream_body
+from gateway.openai_api import PATHS, upstream_body
 from policies import Job
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _USAGE_MARK = b'"choices":[]'
 _EMPTY_CONTENT = (b'"content":""', b'"content": ""', b'"delta":{}', b'"delta": {}')
 _ROLE_MARK = b'"role":"assistant"'
+_DELTA_MARK = b'"response.output_text.delta"'
+_DONE_MARKS = (b'"response.completed"', b'"response.incomplete"')
 
 
 class _Retryable(Exception):
@@ -72,6 +74,15 @@ class Relay:
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
         )
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The upstream HTTP client (shared with the passthrough routes)."""
+        return self._session
+
+    @property
+    def timeout(self) -> aiohttp.ClientTimeout:
+        return self._timeout
 
     async def serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         """Queue `job`, run it (retrying elsewhere before the first byte, resuming after
@@ -125,10 +136,12 @@ class Relay:
         body = upstream_body(
             call, priority=ticket.priority, continuation=state.text, done_tokens=state.tokens
         )
-        path = "/v1/chat/completions" if call.kind == "chat" else "/v1/completions"
         try:
             resp = await self._session.post(
-                backend.url + path, json=body, headers=backend.headers(), timeout=self._timeout
+                backend.url + PATHS[call.kind],
+                json=body,
+                headers=backend.headers(),
+                timeout=self._timeout,
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise _Retryable(f"{backend.name}: {exc!r}", down=True) from None
@@ -139,6 +152,9 @@ class Relay:
                 raise UpstreamRejected(resp.status, await resp.read())
             if not call.stream:
                 await self._whole(job, resp, state)
+                return True
+            if call.kind == "responses":
+                await self._copy(request, job, resp, state)
                 return True
             return await self._stream(request, job, resp, state)
 
@@ -151,8 +167,7 @@ class Relay:
             raise UpstreamBroken(f"backend failed while answering: {exc!r}") from None
         trace.first_token = trace.finished = time.monotonic()
         try:
-            usage = json.loads(data).get("usage") or {}
-            state.tokens = int(usage.get("completion_tokens", 0))
+            _take_usage(json.loads(data).get("usage"), state, trace)
         except (ValueError, AttributeError, TypeError):
             state.tokens = 0
         trace.output_tokens = state.tokens
@@ -219,18 +234,58 @@ class Relay:
         if state.segments and not is_token and _ROLE_MARK in payload:
             return False
         if is_token:
-            now = time.monotonic()
-            trace = ticket.trace
-            if trace.first_token is None:
-                trace.first_token = now
-            else:
-                trace.gaps_s.append(now - state.last_token_at)
-            state.last_token_at = now
-            state.tokens += 1
             if self._config.preemption and ticket.call.continuable:
                 state.text += _chunk_text(payload)
-            self._dispatcher.progress(job, 1)
+            self._count_token(job, state)
         return True
+
+    async def _copy(
+        self, request: web.Request, job: Job, resp: aiohttp.ClientResponse, state: StreamState
+    ) -> None:
+        """A streamed `/v1/responses` answer, relayed byte for byte (its events are named
+        and typed; nothing is dropped or re-framed): text deltas are counted and timed, the
+        final event's usage read."""
+        response = state.response or await self._open(request, state)
+        pending = b""
+        try:
+            async for data in resp.content.iter_any():
+                pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    self._response_event(job, event, state)
+                await _write(response, data)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
+        trace = job.ctx.trace
+        trace.finished = time.monotonic()
+        trace.output_tokens = state.tokens
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            raise ClientGone() from None
+
+    def _response_event(self, job: Job, event: bytes, state: StreamState) -> None:
+        if _DELTA_MARK in event:
+            self._count_token(job, state)
+        elif _DONE_MARKS[0] in event or _DONE_MARKS[1] in event:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    try:
+                        final = json.loads(line[5:]).get("response") or {}
+                        _take_usage(final.get("usage"), state, job.ctx.trace)
+                    except (ValueError, AttributeError, TypeError):
+                        pass
+
+    def _count_token(self, job: Job, state: StreamState) -> None:
+        now = time.monotonic()
+        trace = job.ctx.trace
+        if trace.first_token is None:
+            trace.first_token = now
+        else:
+            trace.gaps_s.append(now - state.last_token_at)
+        state.last_token_at = now
+        state.tokens += 1
+        self._dispatcher.progress(job, 1)
 
     async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)
@@ -249,6 +304,9 @@ class Relay:
         if usage is not None:
             last = int(usage.get("completion_tokens", state.tokens - state.tokens_before))
             state.tokens = state.tokens_before + last
+            prompt = usage.get("prompt_tokens")
+            if isinstance(prompt, int):  # the continuation carried the earlier tokens
+                trace.prompt_tokens = max(prompt - state.tokens_before, 0)
         tail = b"data: [DONE]\n\n"
         if ticket.call.wants_usage and usage is not None:
             chunk = state.usage_raw if not state.segments else _usage_chunk(usage, state)
@@ -259,6 +317,18 @@ class Relay:
             await response.write_eof(tail)  # the last events and the end of the body, one write
         except ConnectionResetError:
             raise ClientGone() from None
+
+
+def _take_usage(usage: Any, state: StreamState, trace: Any) -> None:
+    """Output and prompt tokens of a whole answer's usage (chat and completions name them
+    `completion_tokens` / `prompt_tokens`, responses `output_tokens` / `input_tokens`)."""
+    if not isinstance(usage, dict):
+        state.tokens = 0
+        return
+    state.tokens = int(usage.get("completion_tokens", usage.get("output_tokens")) or 0)
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if isinstance(prompt, int):
+        trace.prompt_tokens = prompt
 
 
 def _chunk_text(payload: bytes) -> str:

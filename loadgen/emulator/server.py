@@ -127,6 +127,10 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return web.json_response(
             protocol.error_body(e.message, e.status, e.err_type), status=e.status
         )
+    except web.HTTPNotFound:  # FastAPI's answer, as vLLM gives it for a route it lacks
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -1,0 +1,149 @@
+"""Every other route of the backends, proxied: `/tokenize`, `/detokenize`, `/v1/embeddings`,
+`/v1/score`, `/v1/rerank`, `/pooling`, `/classify`, `/version`, … whatever the server serves.
+
+These routes generate no tokens, so no policy can order them better than arrival order, and
+vLLM's own queue is FCFS: they are admitted first come, first served, i.e. forwarded at once
+to the least-loaded healthy backend that serves the body's `model` (any healthy backend when
+the body names none), without taking one of the in-flight slots that hold the generation
+backlog. (The generating routes, `/v1/chat/completions`, `/v1/completions` and
+`/v1/responses`, are queued under the policy by `gateway.app` and `gateway.relay`.) Auth and
+the body limit are those of chat; a connection failure or a 5xx before any byte is retried on
+another backend (`max_retries`); the backend's other answers pass through with their status,
+errors in OpenAI's JSON form (`UpstreamRejected`). The handler records one `Outcome`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+from aiohttp import web
+
+from gateway.backends import Backend, BackendPool
+from gateway.errors import (
+    MethodNotAllowed,
+    ModelNotFound,
+    NoBackend,
+    Outcome,
+    UpstreamBroken,
+    UpstreamFailed,
+    UpstreamRejected,
+)
+from gateway.metrics import RequestTrace
+
+GATEWAY_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+    }
+)
+"""Paths the gateway answers itself: another method on them is a 405, never proxied."""
+FORWARDED_HEADERS = ("Content-Type", "Accept")
+"""Client headers sent on (the backend's own key replaces the client's Authorization)."""
+HOP_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+)
+
+
+def reserved(path: str) -> bool:
+    """Is `path` one the gateway serves itself (other methods answer 405)?"""
+    return path in GATEWAY_PATHS or path.startswith("/admin/")
+
+
+def body_model(raw: bytes, content_type: str) -> str | None:
+    """The `model` named by a JSON body, if any."""
+    if not raw or "json" not in content_type:
+        return None
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return None  # the backend answers bad JSON in its own words
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def candidates(pool: BackendPool, model: str | None) -> list[Backend]:
+    """Healthy backends for `model` (any when None), least loaded first; `ModelNotFound` or
+    `NoBackend` when there is none."""
+    if model is not None and not pool.serves(model):
+        raise ModelNotFound(f"the model '{model}' does not exist", param="model")
+    serving = [b for b in pool.backends if model is None or model in b.models]
+    healthy = [b for b in serving if b.healthy]
+    if not healthy:
+        raise NoBackend("no healthy backend to forward the request to")
+    return sorted(healthy, key=lambda b: b.inflight / max(b.cap, 1))
+
+
+async def forward(
+    request: web.Request,
+    raw: bytes,
+    backends: list[Backend],
+    session: aiohttp.ClientSession,
+    timeout: aiohttp.ClientTimeout,
+    max_retries: int,
+    trace: RequestTrace,
+) -> web.StreamResponse:
+    """Send the request to the first backend that answers (at most `max_retries` more after
+    one fails before any byte) and relay its answer. Sets the trace's outcome."""
+    headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+    failures = []
+    for backend in backends[: max_retries + 1]:
+        trace.backend = backend.name
+        url = backend.url + request.rel_url.path_qs
+        try:
+            resp = await session.request(
+                request.method,
+                url,
+                data=raw or None,
+                headers={**headers, **backend.headers()},
+                timeout=timeout,
+            )
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            failures.append(f"{backend.name}: {exc!r}")
+            continue
+        async with resp:
+            if resp.status >= 500 and len(failures) < max_retries:
+                failures.append(f"{backend.name} answered {resp.status}")
+                continue
+            if resp.status >= 400:
+                raise UpstreamRejected(resp.status, await resp.read())
+            trace.dispatched = trace.dispatched or trace.arrived
+            return await relay_bytes(request, resp, trace)
+    raise UpstreamFailed(f"no backend could serve the request ({'; '.join(failures)})")
+
+
+async def relay_bytes(
+    request: web.Request, resp: aiohttp.ClientResponse, trace: RequestTrace
+) -> web.StreamResponse:
+    """The backend's answer as it came: read whole, or copied chunk by chunk when it streams
+    (server-sent events). Sets the outcome: completed, or, once bytes went out, broken (the
+    backend failed; the stream is cut) or cancelled (the client left)."""
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+    if "text/event-stream" not in resp.headers.get("Content-Type", ""):
+        try:
+            body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamBroken(f"backend failed while answering: {exc!r}") from None
+        trace.outcome = Outcome.COMPLETED
+        return web.Response(body=body, status=resp.status, headers=headers)
+    out = web.StreamResponse(status=resp.status, headers=headers)
+    try:
+        await out.prepare(request)
+        async for data in resp.content.iter_any():
+            await out.write(data)
+        await out.write_eof()
+        trace.outcome = Outcome.COMPLETED
+    except ConnectionResetError:
+        trace.outcome, trace.status = Outcome.CANCELLED_RUNNING, 499
+    except (aiohttp.ClientError, TimeoutError):
+        trace.outcome = Outcome.UPSTREAM_BROKEN
+    return out
+
+
+def method_not_allowed(request: web.Request) -> MethodNotAllowed:
+    return MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
