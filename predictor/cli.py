@@ -98,8 +98,8 @@ def _eval(args: argparse.Namespace) -> int:
     chosen: dict[str, Any] = {}
     if args.cv_folds > 1:
         vectors = cached_embeddings(model, [r["prompt"] for r in train], args.cache_dir)
+        base = config.to_dict()
         config, _ = cross_validate(model, train, vectors, folds=args.cv_folds)
-        base = PredictorConfig().to_dict()
         chosen = {k: v for k, v in config.to_dict().items() if v != base[k]}
         model = LengthPredictor(config, embedder=model.embedder)
     predictors: list[Predictor] = [
@@ -113,7 +113,7 @@ def _eval(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     print(f"train {len(train)} / test {len(test)} records; chosen by {args.cv_folds}-fold CV "
-          f"on train (differences from the defaults): {chosen}")  # fmt: skip
+          f"on train (changed settings): {chosen}")  # fmt: skip
     cols = ["kendall_tau", "kendall_tau_median", "kendall_tau_mean", "mae_median"]
     cols += ["coverage_10_90", "spearman", "pinball_0.5", "predict_ms_per_item"]
     print(f"{'predictor':<18}" + "".join(f"{c:>19}" for c in cols))

@@ -151,16 +151,15 @@ class PairwiseRanker:
         return np.asarray(x @ self.weights)
 
     def learn(self, x: FloatArray, log_y: FloatArray) -> None:
-        """Take SGD steps on pairs (new item, recent item), then remember the new items."""
-        held = min(self.added, self.ring_y.size)
-        if held > 0:
-            for start in range(0, x.shape[0], 16):
-                self._step(x[start : start + 16], log_y[start : start + 16], held)
+        """Remember the new items, then take SGD steps on pairs (new item, recent item)."""
         size = self.ring_y.size
         slots = (self.added + np.arange(x.shape[0])) % size
         self.ring_x[slots[-size:]] = x[-size:]
         self.ring_y[slots[-size:]] = log_y[-size:]
         self.added += x.shape[0]
+        held = min(self.added, size)
+        for start in range(0, x.shape[0], 16):
+            self._step(x[start : start + 16], log_y[start : start + 16], held)
 
     def _step(self, x: FloatArray, log_y: FloatArray, held: int) -> None:
         n = x.shape[0] * self.pairs_per_item

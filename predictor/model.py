@@ -69,7 +69,7 @@ def quantile_points(log_x: NDArray[np.float64], w: NDArray[np.float64], n: int) 
     x, cum = log_x[order], np.cumsum(w[order])
     levels = (np.arange(n) + 0.5) / n * cum[-1]
     picks = x[np.minimum(np.searchsorted(cum, levels), x.size - 1)]
-    return LengthDist.from_samples(np.exp(picks))
+    return LengthDist.from_samples(np.round(np.exp(picks), 6))  # exp(log 10) is not 10
 
 
 def blend(
@@ -270,6 +270,12 @@ class LengthPredictor:
         known = [self.config.prior_median_tokens if p is None else p for p in prompt_tokens]
         x = np.asarray(vectors, dtype=np.float32).reshape(-1, self.embedder.dim)
         return [float(v) for v in self.state(model).rank_scores(x, known)]
+
+    def rank_score(
+        self, vector: ArrayLike, prompt_tokens: float | None = None, model: str | None = None
+    ) -> float:
+        """`rank_scores` of one embedded prompt."""
+        return self.rank_scores(np.asarray(vector).reshape(1, -1), [prompt_tokens], model)[0]
 
     def predict(
         self,

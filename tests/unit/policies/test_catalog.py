@@ -75,6 +75,20 @@ def test_ltr_orders_by_rank_and_promotes_starved_jobs() -> None:
     assert s.dispatch(31.0) is old_long
 
 
+def test_ltr_orders_by_the_learned_rank_score_when_there_is_one() -> None:
+    # The ranking model's score wins over the distribution: it says job 1 is the shorter.
+    a = job(1, arrival=0.0, dist=LengthDist.point(5000), rank_score=-2.0)
+    b = job(2, arrival=1.0, dist=LengthDist.point(5), rank_score=3.0)
+    c = job(3, arrival=2.0, dist=LengthDist.point(5), rank_score=0.5)
+    assert order("ltr", [a, b, c], now=3.0) == [1, 3, 2]
+    # Without a score (no ranker yet) it falls back to E[log length], which differs from
+    # SSJF's median on a skewed distribution.
+    skewed = job(4, dist=LengthDist([10, 2000], [0.55, 0.45]))  # median 10, E[log] ≈ 4.7
+    steady = job(5, arrival=1.0, dist=LengthDist.point(60))  # median 60, E[log] ≈ 4.1
+    assert order("ltr", [skewed, steady]) == [5, 4]
+    assert order("ssjf", [skewed, steady]) == [4, 5]
+
+
 def test_sagesched_prefers_likely_short_and_uses_kv_cost() -> None:
     sure_medium = job(1, dist=LengthDist.point(100))
     bimodal = job(2, dist=LengthDist([5, 2000], [0.9, 0.1]))

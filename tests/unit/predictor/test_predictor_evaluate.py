@@ -17,6 +17,7 @@ from predictor.evaluate import (
     scheduling_key,
     score,
 )
+from predictor.tuning import GRID
 
 KEYS = {"mae_median", "spearman", "kendall_tau", "coverage_10_90"}
 KEYS |= {"pinball_0.1", "pinball_0.5", "pinball_0.9"}
@@ -85,11 +86,15 @@ def test_eval_cli_on_sharegpt(
     capsys.readouterr()
     rc = sagesched_cli.main(
         ["predictor", "eval", "--train", str(train), "--test", str(test), "--json",
-         "--set", "embed_max_chars=256"]
+         "--set", "embed_max_chars=256", "--cv-folds", "3",
+         "--cache-dir", str(tmp_path / "cache")]
     )  # fmt: skip
     assert rc == 0
-    result = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    result = out["results"]
     assert set(result) == {"semantic", "global", "length_regression"}
+    assert set(out["chosen_by_cv"]) <= set(GRID)  # CV on train chose only grid settings
+    assert -1.0 <= result["semantic"]["kendall_tau_rank_score"] <= 1.0
     for row in result.values():
         assert set(row) >= KEYS
         assert 0.0 <= row["coverage_10_90"] <= 1.0 and row["mae_median"] > 0
