@@ -1,9 +1,12 @@
 """The aiohttp application: routes, error rendering, and paired start/stop of resources.
 
-Request flow (`completion`): authenticate → read the body (413 beyond the limit) → validate
-(400) → resolve the model (404) → predict the output-length distribution (timed; part of
-TTFT) → `Relay.serve` (queue, dispatch, relay) → settle metrics and, on completion, teach the
-predictor the true length in the background. Every request records exactly one `Outcome`.
+Request flow (`completion`, the generating routes): authenticate → read the body (413 beyond
+the limit) → validate (400) → resolve the model (404) → if the job must queue, count its
+prompt with the backend's tokenizer (`gateway.prompts`) beside the prediction → predict the
+output-length distribution (timed; part of TTFT when queued) → `Relay.serve` (queue,
+dispatch, relay) → settle metrics and, on completion, teach the predictor the true length in
+the background. Every other path goes to `passthrough` (`gateway.passthrough`: forwarded
+first come, first served). Every request records exactly one `Outcome`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from gateway import passthrough as fwd
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, as_dict
 from gateway.dispatcher import Dispatcher, Ticket
@@ -34,6 +38,7 @@ from gateway.errors import (
 )
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
 from gateway.openai_api import Kind, parse_body, parse_call
+from gateway.prompts import PromptCounter
 from gateway.relay import Relay
 from policies import Job, parse_policy
 
@@ -59,6 +64,8 @@ class GatewayState:
     predictor: LengthPredictor | None
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Predictor work running beside requests (refinements, learning); bounded."""
+    counter: PromptCounter | None = None
+    """Counts queued prompts with the backends' tokenizers (None: characters / 4 only)."""
 
 
 STATE = web.AppKey("sagesched_state", GatewayState)
@@ -97,12 +104,14 @@ def create_app(
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", _completion("chat"))
     app.router.add_post("/v1/completions", _completion("completions"))
+    app.router.add_post("/v1/responses", _completion("responses"))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/queue", admin_queue)
     app.router.add_get("/admin/backends", admin_backends)
+    app.router.add_route("*", "/{tail:.*}", _counted(_passthrough))  # last: everything else
     return app
 
 
@@ -129,6 +138,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = GatewayState(
         config, metrics, pool, dispatcher, Relay(session, dispatcher, config), predictor
     )
+    if config.tokenizer.enabled:
+        state.counter = PromptCounter(pool, session, config.tokenizer)
     app[STATE] = state
     await pool.start()
     saver = _start_saver(state)
@@ -146,14 +157,28 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
 # -- the completion handler -----------------------------------------------------------
 
 
+Serve = Callable[["GatewayState", web.Request, RequestTrace], Awaitable[web.StreamResponse]]
+
+
 def _completion(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def serve(
+        state: GatewayState, request: web.Request, trace: RequestTrace
+    ) -> web.StreamResponse:
+        return await _serve(state, request, kind, trace)
+
+    return _counted(serve)
+
+
+def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A handler that records exactly one outcome for whatever `serve` does."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
         trace = RequestTrace(
             model=UNKNOWN_MODEL, arrived=time.monotonic(), policy=state.dispatcher.label
         )
         try:
-            return await _serve(state, request, kind, trace)
+            return await serve(state, request, trace)
         except GatewayError as exc:
             trace.outcome, trace.status = exc.outcome, exc.status
             return render(exc)
@@ -173,21 +198,30 @@ def _completion(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamRespo
     return handler
 
 
+async def _read(state: GatewayState, request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body exceeds {state.config.max_body_bytes} bytes") from None
+
+
 async def _serve(
     state: GatewayState, request: web.Request, kind: Kind, trace: RequestTrace
 ) -> web.StreamResponse:
     _authorize(request, state.config.api_keys)
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body exceeds {state.config.max_body_bytes} bytes") from None
+    raw = await _read(state, request)
     call = parse_call(kind, parse_body(raw), request.headers.get(TENANT_HEADER))
     if not state.pool.serves(call.model):
         raise ModelNotFound(f"the model '{call.model}' does not exist", param="model")
     trace.model = call.model
     job = state.dispatcher.new_job(call, trace, None)
-    await _predict(state, job, call.body)
-    response = await state.relay.serve(request, job)
+    counting = _start_count(state, job)
+    try:
+        await _predict(state, job, call.text_body, counting)
+        response = await state.relay.serve(request, job)
+    finally:
+        if counting is not None and not counting.done():
+            counting.cancel()
     if (
         trace.outcome is Outcome.COMPLETED
         and state.predictor is not None
@@ -197,7 +231,27 @@ async def _serve(
     return response
 
 
-async def _predict(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
+def _start_count(state: GatewayState, job: Job) -> asyncio.Task[None] | None:
+    """Count the prompt with the backend's tokenizer when the job must queue (its size can
+    then change the order); a job that starts at once keeps the estimate until its usage
+    reports the true count. The count rekeys the job if it is already waiting."""
+    counter, call = state.counter, job.ctx.call
+    if counter is None or state.dispatcher.can_start_now(call.model):
+        return None
+
+    async def count() -> None:
+        job.prompt_tokens, job.ctx.trace.prompt_count_source = await counter.count(call)
+        state.dispatcher.resized(job)
+
+    return asyncio.create_task(count())
+
+
+async def _predict(
+    state: GatewayState,
+    job: Job,
+    body: dict[str, Any],
+    counting: asyncio.Task[None] | None = None,
+) -> None:
     """Give `job` its predicted length distribution.
 
     When the job would start at once (nothing of its model waiting, a backend free), the
@@ -212,14 +266,19 @@ async def _predict(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     ticket: Ticket = job.ctx
     call = ticket.call
     if state.dispatcher.can_start_now(call.model):
-        dist = predictor.global_dist(call.prompt_tokens_estimate, model=call.model)
+        dist = predictor.global_dist(job.prompt_tokens, model=call.model)
         job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
         ticket.refining = _background(state, _refine(state, job, body))
         return
-    await _refine(state, job, body)
+    await _refine(state, job, body, counting)
 
 
-async def _refine(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
+async def _refine(
+    state: GatewayState,
+    job: Job,
+    body: dict[str, Any],
+    counting: asyncio.Task[None] | None = None,
+) -> None:
     from predictor import request_text
 
     assert state.predictor is not None
@@ -227,12 +286,13 @@ async def _refine(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     call, trace = ticket.call, ticket.trace
     start = time.monotonic()
     ticket.prompt_vector = vec = await state.predictor.embed_async(request_text(body))
+    if counting is not None:  # counted beside the embedding; bounded by the count's timeout
+        await asyncio.wait([counting])
     dist = await state.predictor.predict_vector_async(
-        vec, prompt_tokens=call.prompt_tokens_estimate, max_tokens=call.max_tokens,
-        model=call.model,
-    )  # fmt: skip
+        vec, prompt_tokens=job.prompt_tokens, max_tokens=call.max_tokens, model=call.model
+    )
     job.rank_score = await asyncio.to_thread(
-        state.predictor.rank_score, vec, call.prompt_tokens_estimate, call.model
+        state.predictor.rank_score, vec, job.prompt_tokens, call.model
     )
     trace.predictor_s = time.monotonic() - start
     trace.predicted_median = dist.quantile(0.5)
@@ -254,9 +314,10 @@ async def _observe(predictor: LengthPredictor, ticket: Ticket, output_tokens: in
     if ticket.refining is not None:
         await asyncio.wait([ticket.refining])
     call = ticket.call
+    prompt_tokens = ticket.trace.prompt_tokens or call.prompt_tokens_estimate  # usage's, if any
     await predictor.observe_async(
-        request_text(call.body), output_tokens, call.prompt_tokens_estimate,
-        vector=ticket.prompt_vector, model=call.model,
+        request_text(call.text_body), output_tokens, prompt_tokens, vector=ticket.prompt_vector,
+        model=call.model,
     )  # fmt: skip
 
 
@@ -364,6 +425,23 @@ async def admin_backends(request: web.Request) -> web.Response:
         for b in state.pool.backends
     ]
     return web.json_response({"backends": rows})
+
+
+async def _passthrough(
+    state: GatewayState, request: web.Request, trace: RequestTrace
+) -> web.StreamResponse:
+    """Any other route: forwarded to a backend at once (`gateway.passthrough`)."""
+    if fwd.reserved(request.path):
+        raise fwd.method_not_allowed(request)
+    _authorize(request, state.config.api_keys)
+    raw = await _read(state, request)
+    model = fwd.body_model(raw, request.content_type)
+    backends = fwd.candidates(state.pool, model)
+    trace.model = model or UNKNOWN_MODEL
+    relay = state.relay
+    return await fwd.forward(
+        request, raw, backends, relay.session, relay.timeout, state.config.max_retries, trace
+    )
 
 
 # -- predictor lifecycle ------------------------------------------------------------------
