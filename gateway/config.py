@@ -120,10 +120,13 @@ class GatewayConfig:
     """Upstream connect timeout."""
     read_timeout_s: float = 600.0
     """Longest silence from an upstream stream before it counts as failed."""
-    preemption: bool = False
-    """Let preemptive policies abort and requeue running requests as continuations."""
-    preemption_margin: float = 0.2
-    """A waiting job must beat the victim's primary key by this fraction."""
+    preemption: bool = True
+    """Let preemptive policies abort and requeue running requests as continuations. The
+    policy decides when: `sagesched` (the default) only when the swap pays (docs/policies.md),
+    as in the simulator; false forbids every gateway preemption."""
+    preemption_margin: float = 0.0
+    """A waiting job must also beat the victim's primary key by this fraction (extra
+    hysteresis; 0: the policy's own rule alone, as the simulator runs it)."""
     forward_priority: bool = True
     """Send the job's policy key at dispatch, quantised to vLLM's integer `priority`
     (`policies.capacity.priority_level`), to backends with `priority_scheduling`."""

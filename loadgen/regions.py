@@ -120,11 +120,15 @@ def factor_for_utilisation(
 ) -> float:
     """The load factor at which offered decode work is `target` × the engine's token capacity.
 
-    Capacity is `max_seqs` tokens per full-batch decode iteration at the window's mean context;
+    Capacity is one token per sequence of a full batch per decode iteration at the window's
+    mean context, where a full batch is `max_seqs` or as many sequences as the KV cache holds
+    at the window's decode-time-weighted context (Σ O·(I + O/2) / Σ O), whichever is smaller;
     offered work is the window's output tokens over its (compressed) span.
     """
     prof = make_profile(profile) if isinstance(profile, str) else profile
-    n = engine.max_seqs
+    held = sum(r.output_tokens * (r.prompt_tokens + r.output_tokens / 2) for r in requests)
+    kv_batch = engine.kv_tokens * sum(r.output_tokens for r in requests) / max(held, 1.0)
+    n = max(1, min(engine.max_seqs, int(kv_batch)))
     mean_ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in requests) / len(requests)
     capacity_tps = n / prof.iteration_s(n, int(n * mean_ctx), 0)
     span = requests[-1].arrival_s - requests[0].arrival_s

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar, Self
 
 from policies.cost import LinearProfile
@@ -86,10 +87,12 @@ class Policy(abc.ABC):
         """May this running job be displaced now? Only asked when `preemptive` is true."""
         return self.preemptive
 
-    def preemption_pays(self, waiting: Job, victim: Job, n_running: int) -> bool:
-        """Asked once the keys say `waiting` should displace the running `victim` (with
-        `n_running` jobs in the engine): is the expected saving worth the preemption's cost?
-        Default: yes, the key order alone decides."""
+    def preemption_pays(
+        self, waiting: Job, victim: Job, running: Sequence[Job], n_waiting: int
+    ) -> bool:
+        """Asked once the keys say `waiting` should displace the running `victim` (`running`:
+        every job in the engine, the victim included; `n_waiting` queued, `waiting` included):
+        is the expected saving worth the preemption's cost? Default: yes, keys decide."""
         return True
 
     def on_engine(self, cost: LinearProfile) -> Self:

@@ -126,7 +126,8 @@ class Scheduler:
             return None
         if margin > 0 and best_key[0] > worst_key[0] - margin * abs(worst_key[0]):
             return None
-        if not self.policy.preemption_pays(best, victim, len(self.running)):
+        running = list(self.running.values())
+        if not self.policy.preemption_pays(best, victim, running, len(self.queue)):
             return None
         return victim
 

@@ -6,10 +6,17 @@ Workloads, per dataset and utilisation level, one per *replicate* (seed or trace
   `MAX_PROMPT_TOKENS` and outputs at `MAX_OUTPUT_TOKENS`;
 - the Azure 2023 conversation trace: windows of `n_requests` consecutive requests with their
   real arrival times (stride sampler), no prompt text.
-Arrivals are compressed so offered decode work is `util` × the engine's token capacity on
-the `h200-llama3-8b` profile (`loadgen.regions.factor_for_utilisation`). The engine is the
-`continuous` configuration behind the gateway cap of 64, with a drain long enough that every
-request finishes (mean TTLT over all requests, no survivor bias).
+- document writing (`loadgen.study.docwriting`): whole ShareGPT conversations as one request
+  each (answers of ~1,500 tokens), `memory_requests` per replicate, Poisson arrivals.
+Arrivals are compressed so offered decode work is `util` × the engine's token capacity
+(`loadgen.regions.factor_for_utilisation`). Two regimes (`Regime`), each a profile, an engine
+configuration and a gateway cap, with a drain long enough that every request finishes (mean
+TTLT over all requests, no survivor bias):
+- `compute` (ShareGPT, Alpaca, Azure): `h200-llama3-8b` on the `continuous` engine behind the
+  gateway cap of 64; the batch is bounded by sequences, KV never binds;
+- `memory` (document writing): `h200-qwen3-32b` on the `h200-qwen3-32b` engine (vLLM V1's H200
+  defaults, 245,760 paged KV tokens, recompute preemption) behind a gateway cap at the batch
+  the KV cache holds for the workload (`kv_cap`): the KV cache bounds the batch.
 
 Prediction arms: `semantic` = the real `predictor.LengthPredictor` trained on a disjoint
 train split, its own distributions handed to every prediction-driven policy (ShareGPT and
@@ -30,32 +37,68 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from loadgen.engine.configs import EngineConfig, engine_config
 from loadgen.metrics import summarize
 from loadgen.regions import compress, factor_for_utilisation
 from loadgen.schema import TraceRequest
 from loadgen.sim.simulator import Contender, resolve, simulate
+from loadgen.study import docwriting
 from policies.dist import LengthDist
 
 PROFILE = "h200-llama3-8b"
 SAGESCHED = "sagesched"
 BASELINES = ("fcfs", "ssjf", "trail", "fastserve", "ltr", "srpt-oracle")
-VARIANTS = ("sagesched:preemptive=false",)
-"""Extra rows: SageSched's order without gateway preemption (what preemption costs)."""
+PREEMPTION_VARIANTS = ("sagesched:preemptive=false", "sagesched:preempt_rule=index")
+"""SageSched never preempting, and preempting whenever the index says so (the old default)."""
+COST_VARIANTS = ("sagesched:cost=tokens", "sagesched:cost=time")
+"""SageSched's index over other cost models (the default is `kv`)."""
+VARIANTS = (*PREEMPTION_VARIANTS, *COST_VARIANTS)
 CONTENDERS = (SAGESCHED, *BASELINES, *VARIANTS)
 METRICS = ("ttlt_s_mean", "ttlt_s_p99", "ttft_s_mean", "ttft_s_p99", "completion_fraction")
 MAX_PROMPT_TOKENS = 4096
 MAX_OUTPUT_TOKENS = 4096
 DRAIN_S = 36_000.0
 CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache" / "study"
-TEXT_DATASETS = ("sharegpt", "alpaca")
+TEXT_DATASETS = ("sharegpt", "alpaca", "docwriting")
 TRACE_DATASET = "azure-conv-2023"
+MEMORY_DATASETS = ("docwriting",)
+KV_CAP_FRACTION = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class Regime:
+    """Where a dataset runs: a latency profile, an engine configuration and a gateway cap."""
+
+    name: str
+    profile: str
+    engine: str
+    cap: int | None
+    """Gateway in-flight cap; None: `kv_cap` of the workload."""
+
+
+COMPUTE = Regime("compute", PROFILE, "continuous", 64)
+MEMORY = Regime("memory", "h200-qwen3-32b", "h200-qwen3-32b", None)
+
+
+def regime_of(dataset: str) -> Regime:
+    return MEMORY if dataset in MEMORY_DATASETS else COMPUTE
+
+
+def kv_cap(requests: Sequence[TraceRequest], engine: EngineConfig) -> int:
+    """The gateway cap of the memory regime: `KV_CAP_FRACTION` of the sequences the KV cache
+    holds at the workload's decode-time-weighted context (Σ O·(I + O/2) / Σ O), so the gateway
+    keeps the backlog and the engine rarely preempts; what a cap tuned on vLLM's KV usage
+    settles near (a fixed fraction, not tuned per policy)."""
+    held = sum(r.output_tokens * (r.prompt_tokens + r.output_tokens / 2) for r in requests)
+    batch = engine.kv_tokens * sum(r.output_tokens for r in requests) / max(held, 1.0)
+    return max(1, min(engine.max_seqs, int(KV_CAP_FRACTION * batch)))
 
 
 @dataclass(frozen=True, slots=True)
 class EvalConfig:
     """Sizes of the evaluation (`small` is the seconds-long CI grid)."""
 
-    datasets: tuple[str, ...] = ("sharegpt", "alpaca", TRACE_DATASET)
+    datasets: tuple[str, ...] = ("sharegpt", "alpaca", TRACE_DATASET, "docwriting")
     utils: tuple[float, ...] = (0.8, 0.95, 1.2)
     errors: tuple[float, ...] = (0.0, 0.2, 0.5)
     replicates: int = 6
@@ -65,16 +108,25 @@ class EvalConfig:
     n_test: int = 1000
     semantic: bool = True
     seed: int = 0
+    memory_utils: tuple[float, ...] = (0.8, 1.0, 1.2, 1.5)
+    """Utilisation levels of the memory regime."""
+    memory_requests: int = 2000
+    """Requests per memory-regime workload: answers take ~50 s, so a window needs thousands
+    of arrivals to reach a steady queue rather than a transient."""
+    memory_test: int = 3000
 
 
 SMALL = EvalConfig(
-    datasets=("sharegpt", TRACE_DATASET),
+    datasets=("sharegpt", TRACE_DATASET, "docwriting"),
     utils=(1.5,),
     errors=(0.0, 0.5),
     replicates=3,
     n_requests=150,
     n_train=150,
     n_test=150,
+    memory_utils=(1.5,),
+    memory_requests=150,
+    memory_test=150,
 )
 
 
@@ -98,6 +150,7 @@ class Task:
     requests: tuple[TraceRequest, ...]
     arms: tuple[tuple[str, tuple[LengthDist, ...] | None, float], ...]
     """(arm name, per-request beliefs or None, belief σ for the noisy oracle)."""
+    regime: Regime = COMPUTE
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -111,7 +164,10 @@ def text_split(dataset: str, n_train: int, n_test: int, seed: int) -> tuple[list
     stem = f"{dataset}_{n_train}_{n_test}_{seed}"
     train, test = CACHE_DIR / f"{stem}_train.jsonl", CACHE_DIR / f"{stem}_test.jsonl"
     if not (train.exists() and test.exists()):
-        build_split(dataset, n_train, n_test, train, test, seed=seed)
+        if dataset == docwriting.NAME:
+            docwriting.build_split(n_train, n_test, train, test, seed=seed)
+        else:
+            build_split(dataset, n_train, n_test, train, test, seed=seed)
     return list(read_jsonl(train)), list(read_jsonl(test))
 
 
@@ -174,8 +230,10 @@ def _poisson(
     return [int(i) for i in idx], reqs
 
 
-def _at_util(requests: Sequence[TraceRequest], util: float) -> list[TraceRequest]:
-    return compress(requests, factor_for_utilisation(requests, util, profile=PROFILE))
+def _at_util(requests: Sequence[TraceRequest], util: float, regime: Regime) -> list[TraceRequest]:
+    engine = engine_config(regime.engine)
+    factor = factor_for_utilisation(requests, util, engine=engine, profile=regime.profile)
+    return compress(requests, factor)
 
 
 def _noisy(
@@ -207,14 +265,18 @@ def tasks(cfg: EvalConfig) -> list[Task]:
                 (k, None, list(w.requests)) for k, w in enumerate(windows)
             ]
         else:
-            train, test = text_split(dataset, cfg.n_train, cfg.n_test, cfg.seed)
+            memory = dataset in MEMORY_DATASETS
+            n_test = cfg.memory_test if memory else cfg.n_test
+            n = cfg.memory_requests if memory else cfg.n_requests
+            train, test = text_split(dataset, cfg.n_train, n_test, cfg.seed)
             beliefs = semantic_beliefs(dataset, train, test, cfg.seed) if cfg.semantic else None
             bases = []
             for k in range(cfg.replicates):
-                idx, reqs = _poisson(test, cfg.n_requests, np.random.default_rng([cfg.seed, k]))
+                idx, reqs = _poisson(test, n, np.random.default_rng([cfg.seed, k]))
                 sem = tuple(beliefs[i] for i in idx) if beliefs is not None else None
                 bases.append((k, sem, reqs))
-        for util in cfg.utils:
+        utils = cfg.memory_utils if dataset in MEMORY_DATASETS else cfg.utils
+        for util in utils:
             for k, sem, reqs in bases:
                 out.append(_task(dataset, util, k, reqs, sem, cfg))
     return out
@@ -232,32 +294,38 @@ def _task(
     if sem is not None:
         arms.append(("semantic", sem, 0.0))
     arms += [(f"oracle-{round(100 * e)}%", None, e) for e in cfg.errors]
-    return Task(dataset, util, k, tuple(_at_util(reqs, util)), tuple(arms))
+    regime = regime_of(dataset)
+    return Task(dataset, util, k, tuple(_at_util(reqs, util, regime)), tuple(arms), regime)
 
 
 # -- running --------------------------------------------------------------------------------
 
 
-def contender(name: str) -> Contender:
-    """`name` on the continuous engine behind the gateway cap, drained until all finish."""
-    c = resolve(name)
-    return dataclasses.replace(c, engine=dataclasses.replace(c.engine, drain_s=DRAIN_S))
+def contender(
+    name: str, regime: Regime = COMPUTE, requests: Sequence[TraceRequest] = ()
+) -> Contender:
+    """`name` on the regime's engine behind its gateway cap, drained until all finish."""
+    engine = dataclasses.replace(engine_config(regime.engine), drain_s=DRAIN_S)
+    cap = regime.cap if regime.cap is not None else kv_cap(requests, engine)
+    c = resolve(name, inflight_cap=cap)
+    return dataclasses.replace(c, engine=engine)
 
 
 def run_task(task: Task) -> list[Result]:
     """Every contender on one workload; policies that read no prediction run once (arm "-")."""
     rows: list[Result] = []
+    profile = task.regime.profile
     for name in CONTENDERS:
-        c = contender(name)
+        c = contender(name, task.regime, task.requests)
         if not c.policy.needs_prediction:
-            rows += _rows(task, "-", c.name, simulate(task.requests, c, PROFILE).records)
+            rows += _rows(task, "-", c.name, simulate(task.requests, c, profile).records)
             continue
         for k, (arm, beliefs, sigma) in enumerate(task.arms):
             reqs: Sequence[TraceRequest] = task.requests
             if beliefs is None:
                 rng = np.random.default_rng([task.replicate, k, round(task.util * 100), 7])
                 reqs = _noisy(task.requests, sigma, rng)
-            res = simulate(reqs, c, PROFILE, belief_sigma=sigma, beliefs=beliefs)
+            res = simulate(reqs, c, profile, belief_sigma=sigma, beliefs=beliefs)
             rows += _rows(task, arm, c.name, res.records)
     return rows
 
@@ -325,6 +393,7 @@ def run_study(
         w = csv.writer(f)
         w.writerow(Result._fields)
         w.writerows([*r[:6], repr(r.value)] for r in rows)
-    meta = {"config": dataclasses.asdict(config), "wall_s": round(wall, 1), "profile": PROFILE}
+    regimes = {r.name: dataclasses.asdict(r) for r in (COMPUTE, MEMORY)}
+    meta = {"config": dataclasses.asdict(config), "wall_s": round(wall, 1), "regimes": regimes}
     (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     return sagesched_report.write(rows, out, meta, n_boot=n_boot, plots=plots)

@@ -6,15 +6,16 @@ O²/2 + I·O, memory and compute together). The key is minus the Gittins index, 
 the best chance of finishing per unit of expected cost goes first. The index only changes its
 candidate horizons at support points, so the key is reviewed when generation crosses the next
 one. A waiting job that beats a running one by index displaces it only when the swap pays
-(`preempt_rule="pays"`, derived in docs/policies.md): the victim's expected remaining decode
-must exceed the waiting job's by more than the victim's recompute costs the whole batch,
-reckoned under the engine's cost profile.
+(`preempt_rule="pays"`, derived in docs/policies.md): the waiting job must start earlier by more
+than the victim's recompute costs everyone served after it (the batch and the queue), reckoned
+under the engine's cost profile; in a large batch a slot frees soon anyway and it never pays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -79,20 +80,34 @@ class SageSched(Policy):
         spent = attained_cost(self._model, job.prompt_tokens, job.generated)
         return (-gittins_index(support, dist.probs, spent),)
 
-    def preemption_pays(self, waiting: Job, victim: Job, n_running: int) -> bool:
-        """Exchange argument for one batch slot (docs/policies.md): serving the waiting job
-        first saves (R_v − R_w) iterations of τ = n·step for the pair, where R are the expected
-        remaining decode tokens; the victim later recomputes its prompt plus what it generated,
-        which stalls every sequence in the batch (n + 1 counting itself) for that prefill."""
+    def preemption_pays(
+        self, waiting: Job, victim: Job, running: Sequence[Job], n_waiting: int
+    ) -> bool:
+        """Does swapping `victim` out for `waiting` lower the sum of completion times?
+
+        Every running sequence advances one token per iteration of τ = n·step, so a swap only
+        moves start times (docs/policies.md). Without it, the waiting job starts when a slot
+        frees: after F = the fewest expected remaining tokens among the other running jobs, or
+        R_v if the victim ends first. With it, the victim waits for that slot instead, after
+        min(R_w, F). Saving: (min(R_v, F) − min(R_w, F))·τ. Cost: the victim's recompute
+        (prompt plus generated tokens) is engine time taken from every job served after it,
+        the n running and the queue. In a large batch F is a few tokens and a swap never pays;
+        with few slots of long jobs it is SRPT's swap minus the recompute.
+        """
         if self.preempt_rule == "index":
             return True
         lat = self.latency or DEFAULT_ENGINE
-        r_victim = self.belief(victim).mean() - victim.generated
-        r_waiting = self.belief(waiting).mean() - waiting.generated
-        saving_s = (r_victim - r_waiting) * lat.step_s * max(n_running, 1)
-        recompute = victim.prompt_tokens + victim.generated
-        cost_s = (n_running + 1) * lat.prefill_s_per_token * recompute
-        return saving_s > cost_s
+        others = [self._remaining(j) for j in running if j is not victim]
+        free_in = min(others, default=math.inf)
+        r_victim, r_waiting = self._remaining(victim), self._remaining(waiting)
+        n = max(len(running), 1)
+        saving_s = (min(r_victim, free_in) - min(r_waiting, free_in)) * lat.step_s * n
+        recompute_s = lat.prefill_s_per_token * (victim.prompt_tokens + victim.generated)
+        return saving_s > (n + n_waiting) * recompute_s
+
+    def _remaining(self, job: Job) -> float:
+        """Expected output tokens still to come."""
+        return self.belief(job).mean() - job.generated
 
     def next_review(self, job: Job) -> int | None:
         support = self.belief(job).support

@@ -87,5 +87,5 @@ def test_running_keys_are_fresh_at_attained_service(
     head = s.queue.peek(now)
     assert head is not None
     beats = s.queue.key_of(head) < s.policy.key(worst, now)
-    pays = beats and s.policy.preemption_pays(head, worst, len(s.running))
+    pays = beats and s.policy.preemption_pays(head, worst, list(s.running.values()), len(s.queue))
     assert victim is (worst if pays else None)

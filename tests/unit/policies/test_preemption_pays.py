@@ -46,16 +46,31 @@ def test_a_large_saving_for_a_short_recompute_pays() -> None:
 
 
 def test_the_rule_is_the_exchange_argument() -> None:
-    policy = parse_policy("sagesched")
-    lat = LinearProfile(0.0, prefill_s_per_token=1e-4, step_s=1e-3)
-    policy = policy.on_engine(lat)
+    policy = parse_policy("sagesched").on_engine(LinearProfile(0.0, 1e-4, 1e-3))
+    waiting = _job(1, 10, 50.0)  # R_w = 50
+
+    def victim(remaining: float) -> Job:  # recompute 990 + 10 tokens: 0.1 s
+        return _job(0, 990, 10 + remaining, generated=10)
+
+    # alone in the engine, one queued: saving (R_v − 50)·1·1e-3 must beat (1 + 1)·0.1 s
+    for remaining, expected in ((250.0, False), (251.0, True)):
+        v = victim(remaining)
+        assert policy.preemption_pays(waiting, v, [v], 1) is expected
+    # a queue behind makes the recompute dearer: 9 queued, R_v − 50 > 1,000
+    v = victim(1049.0)
+    assert not policy.preemption_pays(waiting, v, [v], 9)
+    v = victim(1051.0)
+    assert policy.preemption_pays(waiting, v, [v], 9)
+
+
+def test_no_swap_pays_when_a_slot_frees_soon_anyway() -> None:
+    policy = parse_policy("sagesched").on_engine(LinearProfile(0.0, 1e-4, 1e-3))
     waiting = _job(1, 10, 50.0)
-    n = 8
-    # saving (R_v − 50)·n·step must beat (n + 1)·1e-4·(prompt + generated) = 9e-4·1000
-    # with prompt + generated = 1000: pays iff R_v − 50 > 112.5
-    for remaining, expected in ((162.0, False), (163.0, True)):
-        victim = _job(0, 990, 10 + remaining, generated=10)
-        assert policy.preemption_pays(waiting, victim, n) is expected
+    v = _job(0, 990, 10_010.0, generated=10)
+    almost_done = _job(2, 10, 100.0, generated=40)  # 60 tokens left: a slot in 60 steps
+    assert not policy.preemption_pays(waiting, v, [v, almost_done], 1)
+    busy = _job(3, 10, 6000.0, generated=1000)  # 5,000 left: swapping saves ~950 steps
+    assert policy.preemption_pays(waiting, _job(0, 990, 1010.0, generated=10), [v, busy], 1)
 
 
 def test_the_engine_sets_the_cost_profile_once() -> None:
