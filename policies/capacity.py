@@ -9,12 +9,14 @@ fitting in KV, or start waiting inside it.
 `CapController` finds it from what the engine itself reports (vLLM's `/metrics` in the
 gateway; the engine model's state in the simulator), one `observe` per sample:
 
-1. **Limits.** vLLM's waiting queue above `waiting_high`: the engine runs only about
-   `inflight - waiting` (its `max_num_seqs`, or what its token budget admits), so the cap
+1. **Limits.** vLLM's waiting queue above `waiting_high` in two samples in a row (one
+   prompt waiting a step for the token budget is no full batch): the engine runs only about
+   `inflight - waiting` (its `max_num_seqs`, or what its KV admits), so the cap
    drops to that plus `waiting_high`. KV usage above `kv_high`: the engine is about to
    preempt; the cap shrinks by `backoff` (multiplicative decrease).
 2. **No information.** The gateway does not fill the cap (fewer than `busy_fraction` × cap in
-   flight): demand, not the cap, sets the batch; the cap holds.
+   flight): demand, not the cap, sets the batch; the cap holds. More than the cap in flight
+   (just lowered): the new level is not in force yet; the measurement waits.
 3. **Hill climb on throughput.** Otherwise each cap level is held for `settle` + `dwell`
    samples and its generation-token rate measured over the `dwell` samples. Between two
    levels the elasticity e = Δln(rate) / Δln(cap) says where the efficient batch lies: e ≥
@@ -105,6 +107,8 @@ class CapController:
         self._streak = 0
         """Consecutive climb moves up (> 0) or down (< 0)."""
         self._step = law.step
+        self._waiting: float | None = None
+        """The engine queue at the previous sample."""
         self.rate: float | None = None
         """Throughput of the last level measured (tokens per second), if any."""
         self._prev: tuple[int, float] | None = None
@@ -128,7 +132,14 @@ class CapController:
         if sample == EngineSample():
             return self.cap  # nothing known (no metrics endpoint): keep the configured cap
         delta = self._counter_delta(now, sample.generation_tokens)
-        queued = sample.waiting is not None and sample.waiting > law.waiting_high
+        # a queue counts once it is seen twice in a row: a prompt waiting one step for the
+        # token budget is no sign of a full batch
+        last_waiting, self._waiting = self._waiting, sample.waiting
+        queued = (
+            sample.waiting is not None
+            and last_waiting is not None
+            and min(sample.waiting, last_waiting) > law.waiting_high
+        )
         full = sample.kv_usage is not None and sample.kv_usage > law.kv_high
         if queued or full:
             self.slow_start = False
@@ -138,9 +149,12 @@ class CapController:
             if queued:
                 # the engine runs about `inflight - waiting`: cap there plus the allowance
                 assert sample.waiting is not None
-                new = min(new, inflight - math.ceil(sample.waiting) + int(law.waiting_high))
+                waiting = min(sample.waiting, last_waiting or 0.0)
+                new = min(new, inflight - math.ceil(waiting) + int(law.waiting_high))
             return self._move(new)
-        if inflight < law.busy_fraction * self.cap:
+        if not law.busy_fraction * self.cap <= inflight <= self.cap:
+            # below: demand sets the batch; above: a lower cap is not in force until enough
+            # requests finished, and measuring now would credit it with the old batch's rate
             self._restart_level()
             return self.cap
         if self._skip > 0 and not self.slow_start:

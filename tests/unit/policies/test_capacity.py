@@ -81,7 +81,8 @@ def test_engine_queue_caps_at_what_it_runs() -> None:
 
 def test_waiting_limit_cuts_to_running_plus_allowance() -> None:
     ctl = CapController(CapLaw(waiting_high=2), 300)
-    assert ctl.observe(1.0, EngineSample(30.0, 0.5, 100.0), 300) == 300 - 30 + 2
+    assert ctl.observe(1.0, EngineSample(30.0, 0.5, 100.0), 300) == 300  # once: a transient
+    assert ctl.observe(2.0, EngineSample(30.0, 0.5, 200.0), 300) == 300 - 30 + 2
     assert not ctl.slow_start
 
 
@@ -101,7 +102,7 @@ def test_unknown_series_are_not_zero() -> None:
     assert ctl.observe(0.5, EngineSample(generation_tokens=80.0), 8) == 32
     # no throughput series: grows only while the engine shows no queue (AIMD)
     ctl = CapController(CapLaw(), 8)
-    assert ctl.observe(1.0, EngineSample(waiting=0.0, kv_usage=0.1), 8) > 8
+    assert ctl.observe(1.0, EngineSample(waiting=9.0, kv_usage=0.1), 8) > 8
     assert ctl.observe(2.0, EngineSample(waiting=9.0, kv_usage=0.1), 32) == 32 - 9 + 2
 
 
