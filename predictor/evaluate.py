@@ -177,12 +177,16 @@ def cached_embeddings(
 ) -> NDArray[np.float32]:
     """Embeddings of `prompts` as `model` makes them (clipped text, its embedder), read from
     `cache_dir/emb-<hash>.npz` when an earlier run stored them. The hash covers the model
-    folder's name and every clipped text, so another clip length or model misses the cache.
+    folder's name, the backend and every clipped text, so another clip length, model or
+    backend misses the cache.
     Without `cache_dir`, embeds."""
     texts = [model.text(p) for p in prompts]
     if cache_dir is None:
         return model.embedder.encode(texts)
     digest = hashlib.sha256(str(model.embedder.path.name).encode())
+    backend = str(getattr(model.embedder, "backend", "torch"))
+    if backend != "torch":  # the torch reference keeps the key it had before backends existed
+        digest.update(backend.encode())
     for t in texts:
         digest.update(hashlib.sha256(t.encode()).digest())
     path = Path(cache_dir) / f"emb-{digest.hexdigest()[:24]}.npz"

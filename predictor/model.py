@@ -1,13 +1,14 @@
 """`LengthPredictor`: prompt → distribution of output length, learning from completions.
 
-Model: embed the prompt (see `predictor.text` for what is embedded), find the k most similar
-completed requests in the history (cosine ≥ the similarity floor), and weight each neighbour by
-exp((similarity − best similarity) / temperature). Their true output lengths, so weighted,
-form an empirical distribution in at most `bucket_count` log-spaced buckets. It is mixed with
-the *global* distribution (the recent completions, restricted to the prompt-length band when
-that band has enough of them): a fixed `prior_weight` always, more when fewer than
-`min_neighbours` neighbours are usable, all of it when none are. Before anything was learned,
-the global distribution is a broad log-normal prior, so request one gets a sane answer.
+Model (docs/predictor.md): embed the prompt (see `predictor.text` for what is embedded), find
+the k most similar completed requests of the served model (cosine ≥ the similarity floor) and
+weight each neighbour by exp((similarity − best similarity) / temperature). The centre (log
+tokens) mixes their weighted mean log length with an online ridge regression on the
+embedding; the neighbours' spread around the centre plus the ridge's prequential residuals
+(or, before the ridge is trained, the recent global distribution) give the shape, and the
+blend becomes `bucket_count` equal-mass quantile points. Before anything was learned, the
+answer is a broad log-normal prior. Each served model has its own state (`predictor.state`);
+a model with too little history of its own is answered from the default state.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ GRID: dict[str, Sequence[Any]] = {
     "ridge_weight": (0.0, 0.3, 0.5, 0.7, 1.0),
     "similarity_temperature": (0.05, 0.1, 0.2, 0.5),
     "k_neighbours": (16, 32, 64),
-    "neighbour_spread_scale": (0.5, 0.75, 1.0),
-    "prior_weight": (0.1, 0.3, 0.5),
+    "neighbour_spread_scale": (0.0, 0.5, 0.75, 1.0),
+    "prior_weight": (0.1, 0.3, 0.5, 0.8, 0.95),
 }
 """Candidate values per parameter (searched in this order)."""
 
