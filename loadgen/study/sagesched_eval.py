@@ -114,6 +114,8 @@ class EvalConfig:
     """Requests per memory-regime workload: answers take ~50 s, so a window needs thousands
     of arrivals to reach a steady queue rather than a transient."""
     memory_test: int = 3000
+    memory_replicates: int = 3
+    """Seeds per (util) of the memory regime (each workload is 4× the compute regime's)."""
 
 
 SMALL = EvalConfig(
@@ -127,6 +129,7 @@ SMALL = EvalConfig(
     memory_utils=(1.5,),
     memory_requests=150,
     memory_test=150,
+    memory_replicates=2,
 )
 
 
@@ -271,7 +274,7 @@ def tasks(cfg: EvalConfig) -> list[Task]:
             train, test = text_split(dataset, cfg.n_train, n_test, cfg.seed)
             beliefs = semantic_beliefs(dataset, train, test, cfg.seed) if cfg.semantic else None
             bases = []
-            for k in range(cfg.replicates):
+            for k in range(cfg.memory_replicates if memory else cfg.replicates):
                 idx, reqs = _poisson(test, n, np.random.default_rng([cfg.seed, k]))
                 sem = tuple(beliefs[i] for i in idx) if beliefs is not None else None
                 bases.append((k, sem, reqs))

@@ -23,7 +23,8 @@ def serial_rows() -> list[grid.Row]:
 
 
 def test_policy_catalog_matches_the_paper() -> None:
-    assert len(grid.POLICIES) == 13 and len(grid.HEADLINE_POLICIES) == 11
+    assert len(grid.POLICIES) == 13 and len(grid.HEADLINE_POLICIES) == 10
+    assert not set(grid.ALIASES) & set(grid.HEADLINE_POLICIES)
     for name in grid.POLICIES:
         assert grid.contender(name).name == grid.POLICIES[name][0]
     assert grid.contender("fifo").inflight_cap is None
