@@ -135,6 +135,9 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     dispatcher = Dispatcher(policy, pool, metrics, config)
     holder.append(dispatcher)
     predictor = await _start_predictor(app, config, policy.needs_prediction)
+    if predictor is not None:
+        cache = predictor.embedder.cache
+        metrics.watch_embedding_cache(lambda: (cache.hits, cache.misses))
     state = GatewayState(
         config, metrics, pool, dispatcher, Relay(session, dispatcher, config), predictor
     )

@@ -11,10 +11,13 @@ overhead lives. Labels are bounded: model (validated against the backends' model
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from gateway.errors import Outcome
 
@@ -138,6 +141,11 @@ class GatewayMetrics:
             ("backend",), registry=r,
         )  # fmt: skip
 
+    def watch_embedding_cache(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Expose the predictor's embedding-cache lookups, `counts()` = (hits, misses) since
+        start, read at scrape time, as `sagesched_embedding_cache_lookups_total{result}`."""
+        self.registry.register(_CacheLookups(counts))
+
     def declare(self, model: str, backend: str, policy: str) -> None:
         """Create the event counters of a (model, backend) at zero, so they are scraped before
         their first event and `increase()` counts that event too."""
@@ -173,6 +181,26 @@ class GatewayMetrics:
     def exposition(self) -> bytes:
         """The text exposition format of every series."""
         return generate_latest(self.registry)
+
+
+class _CacheLookups(Collector):
+    """Counters kept by the predictor (plain ints in the hot path), turned into a series when
+    Prometheus scrapes."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        hits, misses = self._counts()
+        family = CounterMetricFamily(
+            "sagesched_embedding_cache_lookups",
+            "Prompt embeddings looked up in the predictor's cache, by result (a hit skips the "
+            "embedding model).",
+            labels=("result",),
+        )
+        family.add_metric(("hit",), hits)
+        family.add_metric(("miss",), misses)
+        yield family
 
 
 def scrape_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
