@@ -97,9 +97,11 @@ def arm(
     )
 
 
-def run(contenders: list[Contender], seeds: int, util: float, n: int) -> dict[str, dict]:
+def run(
+    contenders: list[Contender], seeds: int, util: float, n: int
+) -> dict[str, dict[str, float]]:
     """Mean over seeds of TTLT mean/p99, TTFT mean, token throughput, mean tuned cap."""
-    rows: dict[str, dict] = {c.name: {} for c in contenders}
+    rows: dict[str, dict[str, list[float]]] = {c.name: {} for c in contenders}
     for seed in range(seeds):
         reqs = workload(seed, util, n)
         for c in contenders:

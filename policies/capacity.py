@@ -21,9 +21,9 @@ gateway; the engine model's state in the simulator), one `observe` per sample:
    samples and its generation-token rate measured over the `dwell` samples. Between two
    levels the elasticity e = Δln(rate) / Δln(cap) says where the efficient batch lies: e ≥
    `min_elasticity` (a larger batch still buys throughput in proportion) → go up; below →
-   go down. Levels grow by `slow_start_factor` every sample at first (slow start, no `settle`
-   or `dwell`, sampled every `slow_start_interval_s`: under overload every second at a small
-   cap builds a backlog that never drains) and by `step` after the first reversal or limit,
+   go down. Levels grow by `slow_start_factor` at first (slow start: `settle`, then one
+   sample per level, sampled every `slow_start_interval_s`: under overload every second at a
+   small cap builds a backlog that never drains) and by `step` after the first reversal or limit,
    the step doubling from the fourth move the same way on (up to ×2 per level) and halving
    on a reversal, so the cap
    settles within ±`step` of the point where the elasticity drops below
@@ -75,7 +75,7 @@ class CapLaw:
     """Multiplicative decrease on a limit."""
     step: float = 0.125
     """Relative move of the hill climb after slow start."""
-    slow_start_factor: float = 4.0
+    slow_start_factor: float = 2.0
     """Growth per sample during slow start (from a cold start, before the first limit)."""
     min_elasticity: float = 0.3
     """Elasticity of throughput to the cap below which the batch counts as saturated."""
@@ -157,7 +157,7 @@ class CapController:
             # requests finished, and measuring now would credit it with the old batch's rate
             self._restart_level()
             return self.cap
-        if self._skip > 0 and not self.slow_start:
+        if self._skip > 0:
             self._skip -= 1
             return self.cap
         if delta is None:

@@ -99,11 +99,12 @@ def test_unknown_series_are_not_zero() -> None:
     # queue and KV unknown: no limit, the throughput climb still runs
     ctl = CapController(CapLaw(), 8)
     ctl.observe(0.25, EngineSample(generation_tokens=0.0), 8)
-    assert ctl.observe(0.5, EngineSample(generation_tokens=80.0), 8) == 32
+    assert ctl.observe(0.5, EngineSample(generation_tokens=80.0), 8) == 16
     # no throughput series: grows only while the engine shows no queue (AIMD)
     ctl = CapController(CapLaw(), 8)
-    assert ctl.observe(1.0, EngineSample(waiting=9.0, kv_usage=0.1), 8) > 8
-    assert ctl.observe(2.0, EngineSample(waiting=9.0, kv_usage=0.1), 32) == 32 - 9 + 2
+    assert ctl.observe(1.0, EngineSample(waiting=0.0, kv_usage=0.1), 8) == 8  # settling
+    assert ctl.observe(2.0, EngineSample(waiting=9.0, kv_usage=0.1), 8) > 8
+    assert ctl.observe(3.0, EngineSample(waiting=9.0, kv_usage=0.1), 16) == 16 - 9 + 2
 
 
 def test_holds_when_the_cap_does_not_bind() -> None:
@@ -117,7 +118,8 @@ def test_counter_reset_restarts_the_measurement() -> None:
     ctl.observe(0.25, EngineSample(0.0, 0.1, 5_000.0), 8)
     # the engine restarted: its counter went back; no judgement from a negative delta
     assert ctl.observe(0.5, EngineSample(0.0, 0.1, 10.0), 8) == 8
-    assert ctl.observe(0.75, EngineSample(0.0, 0.1, 30.0), 8) == 32
+    assert ctl.observe(0.75, EngineSample(0.0, 0.1, 30.0), 8) == 8  # settling
+    assert ctl.observe(1.0, EngineSample(0.0, 0.1, 50.0), 8) == 16
 
 
 def test_stays_within_bounds() -> None:
