@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -36,6 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 OUTPUTS = {"short": 16, "long": 256}
 CONCURRENCY = (1, 64, 256)
+DISTINCT = False
+"""`--distinct-prompts`: every request a new text (the predictor's embedding cache never hits);
+by default every request repeats one text, as templated traffic would."""
 
 BACKEND = textwrap.dedent(
     """
@@ -126,6 +130,7 @@ async def load(
         "max_tokens": n_tokens,
         "stream": True,
     }
+    sent = itertools.count()
     ttfts: list[float] = []
     done = 0
     stop = time.monotonic() + seconds
@@ -133,8 +138,12 @@ async def load(
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal done
         while time.monotonic() < stop:
+            text = f"Benchmark prompt {next(sent)}, please answer." if DISTINCT else None
             t0 = time.perf_counter()
-            async with session.post(url + "/v1/chat/completions", json=body) as r:
+            payload = (
+                body if text is None else {**body, "messages": [{"role": "user", "content": text}]}
+            )
+            async with session.post(url + "/v1/chat/completions", json=payload) as r:
                 first = True
                 async for line in r.content:
                     if first and line.startswith(b"data: {"):
@@ -239,7 +248,12 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="measurement time per cell")
     parser.add_argument("--out", type=Path, help="also write the raw numbers as JSON here")
+    parser.add_argument(
+        "--distinct-prompts", action="store_true", help="a new prompt text for every request"
+    )
     args = parser.parse_args()
+    global DISTINCT
+    DISTINCT = args.distinct_prompts
     results = run(args.seconds)
     print(table(results))
     if args.out:

@@ -6,10 +6,14 @@
    plus building the blended `LengthDist`) at each history size, p50/p99 over single queries.
    History vectors are random unit vectors in clusters (neighbours at cosine ≈ 0.6, so the
    similarity floor passes some); build time (2 threads) is reported too.
-2. Embedding: ms per prompt at batch 1, 8 and 64, for short prompts (~12 word pieces) and for
-   ShareGPT first turns clipped to `embed_max_chars` (most fill MiniLM's 256-piece window).
+2. Embedding, each backend side by side (`--backends`, default torch,onnx,onnx-int8; one
+   intra-op thread each, the cache off, best of three sweeps): ms per prompt at batch 1, 8 and
+   64 (sorted, passes of 16), for short prompts (~14 word pieces) and for ShareGPT first turns
+   clipped to `embed_max_chars`; ratios to the first backend. For a per-core figure pin the
+   process too: `taskset -c 0 .venv/bin/python bench/predictor.py --parts embed`.
 3. End to end: `predict_async` under 50 concurrent asyncio callers (each making several
-   sequential calls) against a 10k history: per-call latency p50/p99 and throughput.
+   sequential calls) against a 10k history, with the configured backend and cache: per-call
+   latency p50/p99 and throughput (the prompts repeat, so the second pass hits the cache).
 """
 
 from __future__ import annotations
@@ -81,20 +85,42 @@ def bench_lookup(cfg: PredictorConfig, embedder: Embedder, size: int, queries: i
     ]
 
 
-def bench_embedding(model: LengthPredictor, long_texts: list[str]) -> list[str]:
+def _per_prompt_ms(embedder: Embedder, texts: list[str], batch: int, passes: int) -> float:
+    """Best of three timed sweeps over `texts` (ms per prompt), the cache off."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for start in range(0, len(texts), batch):
+            embedder.encode(texts[start : start + batch], batch_size=passes)
+        best = min(best, (time.perf_counter() - t) * 1e3 / len(texts))
+    return best
+
+
+def bench_embedding(
+    model: LengthPredictor, embedders: dict[str, Embedder], long_texts: list[str]
+) -> list[str]:
+    """Each backend on the same texts, one intra-op thread; ratios to the first backend."""
     short = [f"Write a short poem about the number {i}, please." for i in range(64)]
     rows = []
+    names = list(embedders)
     for label, texts in (("short prompt", short), ("ShareGPT prompt, clipped", long_texts[:64])):
         clipped = [model.text(t) for t in texts]
-        model.embedder.encode(clipped[:8])  # warm-up
-        for batch, passes in ((1, 1), (8, 8), (64, 64), (64, model.embedder.encode_batch_items)):
-            t = time.perf_counter()
-            for start in range(0, len(clipped), batch):
-                model.embedder.encode(clipped[start : start + batch], batch_size=passes)
-            per = (time.perf_counter() - t) * 1e3 / len(clipped)
+        for emb in embedders.values():
+            emb.encode(clipped[:8])  # warm-up
+        for batch, passes in ((1, 1), (8, 8), (64, 16)):
+            ms = {n: _per_prompt_ms(e, clipped, batch, passes) for n, e in embedders.items()}
             case = f"batch {batch}" + (f" (sorted, passes of {passes})" if passes != batch else "")
-            rows.append(f"| embedding, {label} | {case} | {per:.1f} ms/prompt | |")
+            cells = " | ".join(f"{ms[n]:.2f} ms ({1e3 / ms[n]:.0f}/s)" for n in names)
+            ratios = " | ".join(f"{ms[names[0]] / ms[n]:.1f}×" for n in names[1:])
+            rows.append(f"| {label} | {case} | {cells} | {ratios} |")
     return rows
+
+
+def embedding_header(names: list[str]) -> str:
+    cols = " | ".join(names)
+    ratios = " | ".join(f"{names[0]} / {n}" for n in names[1:])
+    sep = "|---" * (2 + len(names) + len(names) - 1)
+    return f"| texts | case | {cols} | {ratios} |\n{sep}|"
 
 
 async def _concurrent(model: LengthPredictor, prompts: list[str], callers: int, calls: int):
@@ -130,19 +156,30 @@ def main() -> int:
     parser.add_argument(
         "--parts", default="lookup,embed,concurrent", help="which parts to run, comma-separated"
     )
+    parser.add_argument(
+        "--backends",
+        default="torch,onnx,onnx-int8",
+        help="embedding backends compared side by side (the first is the reference)",
+    )
     args = parser.parse_args()
     cfg = PredictorConfig()
-    embedder = Embedder(torch_threads=cfg.torch_threads, encode_batch_items=cfg.encode_batch_items)
     parts = set(args.parts.split(","))
+    names = args.backends.split(",")
+    embedders = {
+        n: Embedder(torch_threads=1, backend=n, cache_items=0, device="cpu") for n in names
+    }
+    embedder = embedders.get(cfg.embed_backend) or Embedder.from_config(cfg)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"device {embedder.device}; load average at start {load}; config {cfg.to_dict()}\n")
+    print(f"load average at start {load}; config {cfg.to_dict()}\n")
     print("| what | case | p50 | p99 |\n|---|---|---|---|")
     for size in (int(s) for s in args.sizes.split(",")) if "lookup" in parts else ():
         print("\n".join(bench_lookup(cfg, embedder, size, args.queries)), flush=True)
     texts = [p for _, p, _ in load_pairs("sharegpt")[:2_000]]
     model = LengthPredictor(cfg, embedder=embedder)
     if "embed" in parts:
-        print("\n".join(bench_embedding(model, texts)), flush=True)
+        print("\nEmbedding, ms per prompt (prompts/s on one thread), intra-op threads = 1:\n")
+        print(embedding_header(names))
+        print("\n".join(bench_embedding(model, embedders, texts)), flush=True)
     if "concurrent" not in parts:
         return 0
     rng = np.random.default_rng(0)

@@ -127,6 +127,12 @@ class OnnxEncoder:
 
         self.name = "onnx" if precision == "fp32" else f"onnx-{precision}"
         self.device = "cpu"
+        # int8 quantizes activations with one scale per tensor, computed at run time over the
+        # whole pass: batched with other texts, a text would get a slightly different vector
+        # (cosine ~0.999) than alone. One row per pass keeps each vector a function of its
+        # text alone (the cache and a restart agree); it costs little, since int8 is cheap
+        # per row and long prompts gain nothing from batching (docs/benchmarks.md).
+        self.rows_per_pass = 1 if precision == "int8" else None
         self.file = onnx_file(precision, folder, cache_dir)
         self.max_tokens = max_seq_length(folder)
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -156,6 +162,7 @@ class OnnxEncoder:
 
     def encode(self, texts: Sequence[str], batch_size: int) -> Embeddings:
         ids = self.tokenize(texts)
+        batch_size = min(batch_size, self.rows_per_pass or batch_size)
         order = np.argsort([len(x) for x in ids], kind="stable")  # short with short: less padding
         out = np.empty((len(ids), self.dim), dtype=np.float32)
         for start in range(0, len(order), batch_size):

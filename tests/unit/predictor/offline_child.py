@@ -53,4 +53,5 @@ out = [[d.support.tolist(), d.probs.tolist()] for d in dists]
 ntok = len(load_tokenizer()("hello world", add_special_tokens=False)["input_ids"])
 report = {"dists": out, "blocked": blocked, "guard_ok": guard_ok, "items": len(model.index)}
 report |= {"offline": os.environ.get("HF_HUB_OFFLINE"), "ntok": ntok}
+report |= {"backend": model.embedder.backend, "torch": "torch" in sys.modules}
 print(json.dumps(report))

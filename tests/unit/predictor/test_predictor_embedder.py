@@ -89,7 +89,15 @@ async def test_cancelled_caller_does_not_break_the_batch(embedder: Embedder) -> 
         assert doomed.cancelled()
 
 
-def test_torch_threads_setting_applies(embedder: Embedder) -> None:
+def test_threads_setting_applies(embedder: Embedder) -> None:
+    """The fixture asked for one intra-op thread; it reaches the default (ONNX) backend's
+    session, and torch's process-wide setting when the reference backend is built."""
+    from predictor.encoders import OnnxEncoder
+
+    encoder = embedder._encoder
+    assert isinstance(encoder, OnnxEncoder) and embedder.backend == "onnx-int8"
+    assert encoder._session.get_session_options().intra_op_num_threads == 1
+    Embedder(device="cpu", torch_threads=1, backend="torch", cache_items=0)
     import torch
 
-    assert torch.get_num_threads() == 1  # the fixture asked for one intra-op thread
+    assert torch.get_num_threads() == 1

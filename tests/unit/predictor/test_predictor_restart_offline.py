@@ -65,3 +65,4 @@ def test_no_network_access(restarted: dict[str, Any]) -> None:
     assert child["blocked"] == []
     assert child["offline"] == "1"
     assert child["ntok"] == 2  # the tokenizer also loaded offline
+    assert child["backend"] == PredictorConfig().embed_backend  # the serving path, ONNX
