@@ -29,10 +29,12 @@ async def gw(start_emulator: StartEmulator, start_gateway: StartGateway) -> Runn
 async def call(
     gw: RunningGateway, method: str, path: str, body: Any = None, headers: dict[str, str] = KEY
 ) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, gw.url + path, json=body, headers=headers) as r:
-            ctype = r.headers.get("Content-Type", "")
-            return r.status, await (r.json() if "json" in ctype else r.text())
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, gw.url + path, json=body, headers=headers) as r,
+    ):
+        ctype = r.headers.get("Content-Type", "")
+        return r.status, await (r.json() if "json" in ctype else r.text())
 
 
 def assert_openai_error(data: Any) -> None:

@@ -81,3 +81,48 @@ async def test_preempted_stream_continues_seamlessly(
     samples = await scrape(gw.url + "/metrics")
     assert total(samples, "sagesched_preemptions_total") == 1
     assert total(samples, "sagesched_requests_total", outcome="completed") == 2
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_resumed_answer_is_the_uninterrupted_one(
+    kind: str, start_emulator: StartEmulator, start_gateway: StartGateway, embedder: Embedder
+) -> None:
+    """With `min_tokens` (lowered on the continuation like the token cap; vLLM rejects
+    `min_tokens` above `max_tokens`), the preempted answer is word for word the answer the
+    backend gives without preemption: the emulator resumes a continuation where it stopped."""
+    predictor = LengthPredictor(embedder=embedder)
+    predictor.observe_many([LONG, SHORT], [1500, 3])
+    backend = await start_emulator(time_scale=0.5)
+    gw = await start_gateway(
+        [{"url": backend, "max_inflight": 1}],
+        policy="sagesched",
+        preemption=True,
+        preemption_margin=0.0,
+        predictor=predictor,
+    )
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    long_body = body(kind, LONG, 90)
+    del long_body["ignore_eos"]
+    long_body["min_tokens"] = 90  # longer than the natural answer: only min_tokens makes it 90
+    async with aiohttp.ClientSession() as s:
+        direct = {**long_body, "stream": False}
+        direct.pop("stream_options")
+        async with s.post(backend + path, json=direct) as r:
+            choice = (await r.json())["choices"][0]
+        expected = choice["message"]["content"] if kind == "chat" else choice["text"]
+        started = asyncio.Event()
+        long_resp = await s.post(gw.url + path, json=long_body)
+        long_task = asyncio.create_task(read_events(long_resp, started))
+        await asyncio.wait_for(started.wait(), 30)
+        async with s.post(gw.url + path, json=body(kind, SHORT, 3)) as r:
+            assert r.status == 200
+        long_events = await asyncio.wait_for(long_task, 60)
+    assert not [e for e in long_events if "error" in e]
+    text = "".join(
+        (e["choices"][0].get("delta") or {}).get("content") or e["choices"][0].get("text") or ""
+        for e in long_events
+        if e.get("choices")
+    )
+    assert len(expected.split()) == 90 and text == expected
+    samples = await scrape(gw.url + "/metrics")
+    assert total(samples, "sagesched_preemptions_total") == 1
