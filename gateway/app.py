@@ -220,7 +220,7 @@ async def _serve(
     job = state.dispatcher.new_job(call, trace, None)
     counting = _start_count(state, job)
     try:
-        await _predict(state, job, call.text_body, counting)
+        await _predict(state, job, call.text_body)
         response = await state.relay.serve(request, job)
     finally:
         if counting is not None and not counting.done():
@@ -237,7 +237,8 @@ async def _serve(
 def _start_count(state: GatewayState, job: Job) -> asyncio.Task[None] | None:
     """Count the prompt with the backend's tokenizer when the job must queue (its size can
     then change the order); a job that starts at once keeps the estimate until its usage
-    reports the true count. The count rekeys the job if it is already waiting."""
+    reports the true count. Nothing waits for the count: it runs beside the prediction, and
+    if it lands after the job was queued it rekeys the job (`Dispatcher.resized`)."""
     counter, call = state.counter, job.ctx.call
     if counter is None or state.dispatcher.can_start_now(call.model):
         return None
@@ -249,12 +250,7 @@ def _start_count(state: GatewayState, job: Job) -> asyncio.Task[None] | None:
     return asyncio.create_task(count())
 
 
-async def _predict(
-    state: GatewayState,
-    job: Job,
-    body: dict[str, Any],
-    counting: asyncio.Task[None] | None = None,
-) -> None:
+async def _predict(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     """Give `job` its predicted length distribution.
 
     When the job would start at once (nothing of its model waiting, a backend free), the
@@ -273,15 +269,10 @@ async def _predict(
         job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
         ticket.refining = _background(state, _refine(state, job, body))
         return
-    await _refine(state, job, body, counting)
+    await _refine(state, job, body)
 
 
-async def _refine(
-    state: GatewayState,
-    job: Job,
-    body: dict[str, Any],
-    counting: asyncio.Task[None] | None = None,
-) -> None:
+async def _refine(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
     from predictor import request_text
 
     assert state.predictor is not None
@@ -289,8 +280,8 @@ async def _refine(
     call, trace = ticket.call, ticket.trace
     start = time.monotonic()
     ticket.prompt_vector = vec = await state.predictor.embed_async(request_text(body))
-    if counting is not None:  # counted beside the embedding; bounded by the count's timeout
-        await asyncio.wait([counting])
+    # the prompt count runs beside the embedding and is never waited for: if it is done,
+    # `job.prompt_tokens` is the backend's count; if not, it rekeys the queued job when it is
     dist = await state.predictor.predict_vector_async(
         vec, prompt_tokens=job.prompt_tokens, max_tokens=call.max_tokens, model=call.model
     )
