@@ -40,6 +40,8 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"messages": [{"role": "user", "content": "Hello, how are you?"}]}),
     ("completions", {"prompt": "Once upon a time"}),
     ("completions", {"prompt": [2023, 2003, 1037, 3231]}),
+    ("completions", {"prompt": ["Hello there", "Bye now"], "n": 2}),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}], "n": 2}),
 ]
 TOLERANCE = 0.30
 WINDOW: dict[str, Any] = {"n": 30, "rate_per_s": 2.0, "seed": 4}
@@ -104,6 +106,52 @@ async def test_same_response_shapes_and_metric_names(
     for name in VLLM_SERIES:
         assert name in real_names, f"vLLM lacks {name}"
         assert name in emu_names, f"emulator lacks {name}"
+
+
+async def _vllm_rules(url: str) -> dict[str, Any]:
+    """What the rules of one server give: `/tokenize` shapes and whether its counts are the
+    usage's, the resumed chat's prompt growth, and the statuses of requests vLLM refuses."""
+    user = [{"role": "user", "content": "Tell me about the sea."}]
+    out: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as s:
+
+        async def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+            async with s.post(url + path, json={"model": "tiny-llama", **body}) as r:
+                return r.status, await r.json()
+
+        _, tok = await post("/tokenize", {"prompt": "Once upon a time"})
+        _, done = await post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 1})
+        _, chat_tok = await post("/tokenize", {"messages": user})
+        _, chat = await post("/v1/chat/completions", {"messages": user, "max_tokens": 4})
+        out["tokenize"] = shape(tok)
+        out["counts are usage"] = (
+            tok["count"] == done["usage"]["prompt_tokens"]
+            and chat_tok["count"] == chat["usage"]["prompt_tokens"]
+        )
+        head = chat["choices"][0]["message"]["content"]
+        resumed = [*user, {"role": "assistant", "content": head}]
+        flags = {"continue_final_message": True, "add_generation_prompt": False}
+        status, more = await post(
+            "/v1/chat/completions", {"messages": resumed, "max_tokens": 2, **flags}
+        )
+        out["resume"] = status, more["usage"]["prompt_tokens"] > chat["usage"]["prompt_tokens"]
+        refused = [
+            {"messages": resumed, "max_tokens": 2, "continue_final_message": True},
+            {"messages": user, "max_tokens": 2, "min_tokens": 3},
+            {"messages": user, "max_tokens": 2, "n": 0},
+        ]
+        out["refused"] = [(await post("/v1/chat/completions", b))[0] for b in refused]
+    return out
+
+
+async def test_tokenize_resume_and_refusals_like_vllm(
+    real_vllm: RealVllm, start_emulator: StartEmulator
+) -> None:
+    emu = await start_emulator()
+    real, emulated = await _vllm_rules(real_vllm.url), await _vllm_rules(emu)
+    assert real["counts are usage"] and real["resume"] == (200, True)
+    assert real["refused"] == [400, 400, 400]
+    assert emulated == real
 
 
 async def test_priority_without_priority_scheduling(real_vllm: RealVllm) -> None:
