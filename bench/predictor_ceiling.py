@@ -9,8 +9,9 @@
    predictor that knew each prompt's answer distribution exactly, and guessed one draw, would
    score; the conditional median scores somewhat more (reported via the split-half estimate
    below) but no predictor from the prompt can order the draws' noise.
-2. Near duplicates: test prompts whose nearest train prompt has cosine ≥ 0.95 (cached
-   embeddings): τ of that neighbour's length vs the truth.
+2. Near duplicates: test prompts whose nearest train prompt has cosine ≥ 0.95 / 0.9 / 0.85
+   (cached embeddings): τ of that neighbour's length vs the truth, and its MAE relative to
+   the train median's (how much one very similar example tells).
 """
 
 from __future__ import annotations
@@ -43,14 +44,19 @@ def exact_repeats(source: str) -> dict[str, float]:
     first = [len(t) for t in tok([a for a, _ in reps], add_special_tokens=False)["input_ids"]]
     second = [len(t) for t in tok([b for _, b in reps], add_special_tokens=False)["input_ids"]]
     log_gap = np.abs(np.log(np.maximum(first, 1)) - np.log(np.maximum(second, 1)))
+    a1, a2 = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
     return {
         "prompts_repeated": float(len(reps)),
-        "tau_answer1_vs_answer2": float(kendalltau(first, second).statistic),
+        "tau_answer1_vs_answer2": float(kendalltau(a1, a2).statistic),
         "median_abs_log_ratio": float(np.median(log_gap)),
+        # MAE of "the other answer's length" vs of the subset's median (the global baseline)
+        "mae_other_answer_vs_global": float(
+            np.mean(np.abs(a1 - a2)) / np.mean(np.abs(np.median(a1) - a2))
+        ),
     }
 
 
-def near_duplicates(name: str, threshold: float = 0.95) -> dict[str, float]:
+def near_duplicates(name: str, threshold: float) -> dict[str, float]:
     """τ of the nearest train neighbour's length vs the truth, for close neighbours."""
     from bench.predictor_ablation import load
 
@@ -62,9 +68,14 @@ def near_duplicates(name: str, threshold: float = 0.95) -> dict[str, float]:
     close = sims[np.arange(len(ty)), best] >= threshold
     if close.sum() < 10:
         return {"test_with_near_duplicate": float(close.sum())}
+    nb, truth = y[best][close], ty[close]
     return {
+        "threshold": threshold,
         "test_with_near_duplicate": float(close.sum()),
-        "tau_neighbour_vs_truth": float(kendalltau(y[best][close], ty[close]).statistic),
+        "tau_neighbour_vs_truth": float(kendalltau(nb, truth).statistic),
+        "mae_neighbour_vs_global": float(
+            np.mean(np.abs(nb - truth)) / np.mean(np.abs(np.median(y) - truth))
+        ),
     }
 
 
@@ -73,7 +84,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--set", default="sharegpt")
     args = ap.parse_args(argv)
     print(args.set, "exact repeats:", exact_repeats(args.set))
-    print(args.set, "near duplicates:", near_duplicates(args.set))
+    for threshold in (0.95, 0.9, 0.85):
+        print(args.set, "near duplicates:", near_duplicates(args.set, threshold))
     return 0
 
 
