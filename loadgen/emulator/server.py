@@ -1,7 +1,8 @@
 """The emulated vLLM server: an aiohttp app in front of an `EngineLoop`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streaming and not; `n` ≥ 1 and
-batches of prompts, one engine sequence per choice), `POST /tokenize`, `/detokenize`, `GET
+batches of prompts, one engine sequence per choice), `POST /v1/responses` (one answer, whole
+or as vLLM's event stream), `POST /tokenize`, `/detokenize`, `GET
 /v1/models`, `/health`, `/metrics`. A request is validated (`protocol.parse`), submitted to
 the engine loop, and answered as its tokens become visible. A client that goes away (the
 handler is cancelled, or a write fails) aborts its request in the engine, as vLLM does; run the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from loadgen.emulator import protocol
+from loadgen.emulator import protocol, responses
 from loadgen.emulator.engine_loop import EmuRequest, EngineLoop
 from loadgen.emulator.metrics import EmulatorMetrics
 from loadgen.engine.configs import EngineConfig, engine_config
@@ -85,6 +87,7 @@ def create_app(config: EmulatorConfig, profile: LatencyProfile | None = None) ->
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/responses", _responses)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/health", _health)
@@ -192,7 +195,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         if p.stream:
             return await _stream(request, p, reqs, event)
-        return await _whole(p, reqs, event)
+        return await _answer(p, reqs, event)
     finally:
         # client gone (cancelled handler, failed write) or server stopping: free the engine
         for req in reqs:
@@ -207,12 +210,17 @@ def _record_finish(state: AppState, req: EmuRequest, finish_reason: str) -> None
     state.metrics.on_finish(req.prompt_tokens, end - req.arrival_w, queue, finish_reason)
 
 
-async def _whole(p: protocol.Parsed, reqs: list[EmuRequest], event: asyncio.Event) -> web.Response:
+async def _whole(reqs: list[EmuRequest], event: asyncio.Event) -> None:
+    """Until every sequence is done; 503 if the engine stopped first."""
     while not all(req.done for req in reqs):
         await event.wait()
         event.clear()
     if any(req.emitted < req.output_tokens for req in reqs):
         raise protocol.ProtocolError("the engine stopped", 503, "ServiceUnavailableError")
+
+
+async def _answer(p: protocol.Parsed, reqs: list[EmuRequest], event: asyncio.Event) -> web.Response:
+    await _whole(reqs, event)
     texts = [a.text(0, req.emitted) for a, req in zip(p.answers, reqs, strict=True)]
     rid, created = protocol.new_id(p.kind), protocol.now_created()
     n_tokens = sum(req.emitted for req in reqs)
@@ -257,6 +265,63 @@ async def _stream(
     with contextlib.suppress(ConnectionError):
         await resp.write_eof()
     return resp
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    """`/v1/responses`: one answer to the chat request the body amounts to."""
+    state = request.app[STATE]
+    body, cfg = await _body(request), state.config
+    p = responses.parse_responses(
+        body,
+        models={cfg.model},
+        max_model_len=cfg.max_model_len,
+        priority_on=cfg.priority_scheduling,
+        reject_priority=cfg.reject_priority,
+    )
+    answer, event = p.answers[0], asyncio.Event()
+    req = state.loop.submit(answer.prompt_tokens, answer.output_tokens, p.priority, event=event)
+    rid, msg_id = responses.ids()
+    created = protocol.now_created()
+    try:
+        if not p.stream:
+            await _whole([req], event)
+            text = answer.text(0, req.emitted)
+            obj = responses.response(p, rid, msg_id, created, body, text, req.emitted)
+            return web.json_response(obj)
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        seq = itertools.count()
+
+        def sse(event_obj: dict[str, Any]) -> bytes:
+            event_obj["sequence_number"] = next(seq)
+            name = str(event_obj["type"]).encode()
+            return b"event: " + name + b"\n" + _sse(event_obj)
+
+        head = responses.response(p, rid, msg_id, created, body, None, 0)
+        await resp.write(b"".join(sse(e) for e in responses.opening_events(head, msg_id)))
+        sent = 0
+        while True:
+            if req.emitted > sent:
+                deltas = (
+                    responses.delta_event(msg_id, answer.text(i, i + 1))
+                    for i in range(sent, req.emitted)
+                )
+                await resp.write(b"".join(sse(e) for e in deltas))
+                sent = req.emitted
+            if req.done:
+                break
+            await event.wait()
+            event.clear()
+        text = answer.text(0, sent)
+        final = responses.response(p, rid, msg_id, created, body, text, sent)
+        await resp.write(b"".join(sse(e) for e in responses.closing_events(final, msg_id, text)))
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+        return resp
+    finally:
+        state.loop.abort(req)
+        if not req.aborted:
+            _record_finish(state, req, answer.finish_reason)
 
 
 async def _tokenize(request: web.Request) -> web.Response:

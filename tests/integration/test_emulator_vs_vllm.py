@@ -141,6 +141,16 @@ async def _vllm_rules(url: str) -> dict[str, Any]:
             {"messages": user, "max_tokens": 2, "n": 0},
         ]
         out["refused"] = [(await post("/v1/chat/completions", b))[0] for b in refused]
+        ask = {"instructions": "Be brief.", "input": "Hello there", "max_output_tokens": 3}
+        _, whole = await post("/v1/responses", ask)
+        out["responses"] = shape(whole)
+        async with s.post(
+            url + "/v1/responses", json={"model": "tiny-llama", "stream": True, **ask}
+        ) as r:
+            lines = (await r.read()).decode().splitlines()
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        out["responses events"] = [(e["type"], shape(e)) for e in events]
+        out["event names"] = [line[7:] for line in lines if line.startswith("event: ")]
     return out
 
 

@@ -5,6 +5,7 @@ relayed through the policy queue."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -13,6 +14,8 @@ import pytest
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
 from fixtures.scrape import scrape, total
+
+from loadgen.emulator import tokens
 
 KEY = {"Authorization": "Bearer k1"}
 MODEL = "tiny-llama"
@@ -129,3 +132,36 @@ async def test_openai_client_embeddings_and_batches(gw: RunningGateway) -> None:
     assert total(samples, "sagesched_requests_total", outcome="completed") == 2
     assert total(samples, "sagesched_output_tokens_total") == 22
     assert total(samples, "sagesched_requests_total", outcome="upstream_error", code="404") == 1
+
+
+async def test_responses_queued_under_the_policy(
+    start_emulator: StartEmulator, start_gateway: StartGateway
+) -> None:
+    """`/v1/responses` through the official client, whole and streamed: queued like chat (one
+    slot, so the second waits), relayed with vLLM's event names, tokens and TTFT counted."""
+    backend = await start_emulator(time_scale=0.2)
+    gw = await start_gateway([{"url": backend, "max_inflight": 1}], policy="sagesched")
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+
+        async def streamed() -> list[str]:
+            stream = await client.responses.create(
+                model=MODEL, input="Tell me a story.", max_output_tokens=40, stream=True
+            )
+            return [e.type async for e in stream]
+
+        whole, events = await asyncio.gather(
+            client.responses.create(
+                model=MODEL, instructions="Be brief.", input="Hello there", max_output_tokens=30
+            ),
+            streamed(),
+        )
+    assert whole.usage is not None and whole.usage.output_tokens == 30
+    assert whole.status == "incomplete" and len(whole.output_text.split()) == 30
+    deltas = min(40, tokens.natural_output_tokens("Tell me a story."))  # ends naturally
+    assert events.count("response.output_text.delta") == deltas
+    assert events[0] == "response.created" and events[-1] == "response.completed"
+    samples = await scrape(gw.url + "/metrics")
+    assert total(samples, "sagesched_requests_total", outcome="completed") == 2
+    assert total(samples, "sagesched_output_tokens_total") == 30 + deltas
+    assert total(samples, "sagesched_time_to_first_token_seconds_count") == 2
+    assert total(samples, "sagesched_queue_wait_seconds_count") == 2
