@@ -1,6 +1,7 @@
 """Child process of test_predictor_restart_offline: a fresh interpreter with the network cut.
 
-argv: snapshot path, JSON list of prompts. Prints one JSON line (see the test).
+argv: snapshot path, JSON list of prompts; or `--export` (test_predictor_onnx: the ONNX export
+itself, into an empty cache). Prints one JSON line (see the tests).
 """
 
 import json
@@ -43,6 +44,17 @@ try:  # the guard itself must work
 except OSError:
     guard_ok = bool(blocked)
 blocked.clear()
+
+if sys.argv[1] == "--export":  # argv: --export. $SAGESCHED_CACHE_DIR is empty: export, embed
+    from predictor import Embedder
+    from predictor.onnx_export import default_cache_dir
+
+    embedder = Embedder(device="cpu", torch_threads=1)  # the default backend, ONNX int8
+    vec = embedder.encode(["hello world"])[0]
+    files = sorted(p.name for p in default_cache_dir().rglob("*"))
+    report = {"blocked": blocked, "guard_ok": guard_ok, "files": files, "backend": embedder.backend}
+    print(json.dumps(report | {"norm": float(sum(float(x) ** 2 for x in vec) ** 0.5)}))
+    sys.exit(0)
 
 from predictor import LengthPredictor, load_tokenizer  # noqa: E402 - after the guard, on purpose
 

@@ -4,7 +4,10 @@ the export cache and the embedding cache."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +157,22 @@ async def test_async_cache_hit_skips_the_model() -> None:
         assert front.batches == batches  # no model call for the repeats
     assert all(np.array_equal(v, first) for v in repeats)
     assert emb.cache.stats().hits == 5 and emb.cache.stats().misses == 1
+
+
+@pytest.mark.slow
+def test_export_on_first_start_never_touches_the_network(tmp_path: Path) -> None:
+    """A fresh interpreter with an empty export cache, no Hugging Face variables set and every
+    non-loopback connect or name lookup failing (and recorded) exports, loads and embeds."""
+    child = Path(__file__).with_name("offline_child.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env |= {"SAGESCHED_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(child), "--export"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["guard_ok"] is True and report["blocked"] == []
+    assert report["backend"] == "onnx-int8"
+    assert {"model-fp32.onnx", "model-int8.onnx"} <= set(report["files"])
+    assert abs(report["norm"] - 1.0) < 1e-4
