@@ -397,6 +397,7 @@ async def admin_queue(request: web.Request) -> web.Response:
             "policy": state.dispatcher.label,
             "waiting": state.dispatcher.waiting(),
             "jobs": state.dispatcher.snapshot(),
+            "running": state.dispatcher.running_snapshot(),
         }
     )
 

@@ -105,6 +105,20 @@ class Dispatcher:
                 rows.append(_describe(job, model, rank, key, now))
         return rows
 
+    def running_snapshot(self) -> list[dict[str, Any]]:
+        """Running jobs in policy order, per model, each keyed at its current attained
+        service (`Scheduler.running_key`, never the key it had at dispatch; admin view)."""
+        now = self._clock()
+        rows = []
+        for model, sched in sorted(self._schedulers.items()):
+            ranked = sorted(
+                ((sched.running_key(j, now), j.arrival_s, j.id, j) for j in sched.running.values()),
+                key=lambda r: r[:3],
+            )
+            for rank, (key, _, _, job) in enumerate(ranked):
+                rows.append(_describe(job, model, rank, key, now))
+        return rows
+
     # -- life of a request ----------------------------------------------------------------
 
     def new_job(self, call: Call, trace: RequestTrace, dist: LengthDist | None) -> Job:

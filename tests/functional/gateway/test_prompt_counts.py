@@ -85,6 +85,9 @@ async def test_queued_prompts_are_counted_by_the_backend(
             return [j for j in jobs if j["prompt_tokens"] == exact]
 
         await until(counted)  # rekeyed while waiting
+        async with s.get(gw.url + "/admin/queue", headers=ADMIN) as r:
+            running = (await r.json())["running"]
+        assert [j["rank"] for j in running] == [0] and running[0]["key"]  # the held request
         second = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=chat(TEXT)))
         await until(lambda: _n_counted(counted, 2))
         release(hold)
