@@ -10,17 +10,19 @@ from typing import Any
 class PredictorConfig:
     """Every knob of the predictor, with its unit in the name.
 
-    Defaults were chosen on a ShareGPT train/test split (see docs/benchmarks.md, "Predictor").
+    The blending defaults (k, temperature, global share, ridge weight, spread scale) were
+    chosen by 5-fold cross-validation on the ShareGPT train file only (`sagesched predictor
+    eval`, docs/benchmarks.md "Predictor"); the test files never informed them.
     `validate()` is called on construction, so an instance is always usable.
     """
 
-    k_neighbours: int = 32
+    k_neighbours: int = 64
     """How many nearest neighbours one query asks the index for."""
 
     similarity_floor: float = 0.2
     """Cosine similarity below which a neighbour is ignored (1 = identical prompt)."""
 
-    similarity_temperature: float = 0.2
+    similarity_temperature: float = 0.1
     """Neighbour weight is exp((similarity − best similarity) / this); smaller = sharper."""
 
     prompt_length_scale_log: float = 1.0
@@ -32,20 +34,22 @@ class PredictorConfig:
     """With fewer usable neighbours than this, the prediction is blended with the global
     distribution in proportion to how many are missing (cold start works from request one)."""
 
-    prior_weight: float = 0.1
-    """Share of the global distribution that is always mixed in, even with many neighbours
-    (keeps tails honest when all neighbours agree)."""
+    prior_weight: float = 0.8
+    """Share g of the background that is always mixed in, even with many neighbours: the
+    centre + the ridge's prequential residuals once it is trained, else the global
+    distribution. A large share gives every prompt the same honest shape around its own
+    centre, so the Gittins index orders by the centre (docs/benchmarks.md, ablation)."""
 
     bucket_count: int = 24
     """Support points of a predicted `LengthDist`: equal-mass quantiles of the blended
     samples (log-spaced buckets before version 2 lost order, see docs/predictor.md)."""
 
-    ridge_weight: float = 0.0
+    ridge_weight: float = 0.3
     """Share of the online ridge regression (log length on the embedding) in the predicted
     centre; the rest is the neighbours' weighted mean log length. 0 = pure nearest
     neighbours. Falls back to the neighbours until the ridge has learned `min_neighbours`·4."""
 
-    neighbour_spread_scale: float = 1.0
+    neighbour_spread_scale: float = 0.5
     """The neighbours' log lengths keep their spread around the centre times this (< 1
     sharpens, > 1 widens)."""
 

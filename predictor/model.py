@@ -171,7 +171,8 @@ class LengthPredictor:
             return own
         return self._states[DEFAULT_MODEL]
 
-    def _own_state(self, model: str | None) -> ModelState:
+    def own_state(self, model: str | None) -> ModelState:
+        """`model`'s own state, where its completions are learned (created when missing)."""
         name = model or DEFAULT_MODEL
         with self._states_lock:
             if name not in self._states:
@@ -387,7 +388,7 @@ class LengthPredictor:
         model: str | None = None,
     ) -> None:
         """Learn already embedded completed requests into `model`'s own state (blocking)."""
-        self._own_state(model).learn(vectors, output_tokens, prompt_tokens)
+        self.own_state(model).learn(vectors, output_tokens, prompt_tokens)
 
     async def observe_async(
         self,

@@ -67,7 +67,7 @@ def test_models_do_not_mix_and_a_new_model_falls_back(embedder: Embedder) -> Non
     assert model.predict_vector(vecs[0], model="verbose").quantile(0.5) == pytest.approx(500)
     assert model.predict_vector(vecs[0], model="never-seen").quantile(0.5) == pytest.approx(500)
     assert len(model.state("verbose").index) == 40  # the default one
-    assert len(model._own_state("verbose").index) == 10
+    assert len(model.own_state("verbose").index) == 10
 
 
 def test_snapshot_v2_round_trip_and_v1_still_loads(embedder: Embedder, tmp_path: Path) -> None:

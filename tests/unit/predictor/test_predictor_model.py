@@ -50,7 +50,9 @@ def test_observe_one(predictor: LengthPredictor) -> None:
 
 
 def test_blend_weights_similar_neighbours_more() -> None:
-    cfg = PredictorConfig(min_neighbours=2, prior_weight=0.0, similarity_temperature=0.05)
+    cfg = PredictorConfig(
+        min_neighbours=2, prior_weight=0.0, similarity_temperature=0.05, neighbour_spread_scale=1
+    )
     background = LengthDist.point(1_000)
     dist = blend(_nb([0.95, 0.70], [10, 500]), background, cfg)
     assert dist.cdf(10) > 0.9  # exp(-0.25/0.05) makes the far neighbour nearly irrelevant
@@ -114,10 +116,14 @@ async def test_predict_async_many_callers(predictor: LengthPredictor) -> None:
 
 
 def test_blend_prefers_neighbours_with_similar_prompt_length() -> None:
-    cfg = PredictorConfig(min_neighbours=1, prior_weight=0.0, prompt_length_scale_log=0.5)
+    cfg = PredictorConfig(
+        min_neighbours=1, prior_weight=0.0, prompt_length_scale_log=0.5, neighbour_spread_scale=1
+    )
     nb = Neighbours(np.array([0.9, 0.9]), np.array([20.0, 800.0]), np.array([10.0, 3000.0]))
     short = blend(nb, LengthDist.point(1), cfg, prompt_tokens=12)
     long = blend(nb, LengthDist.point(1), cfg, prompt_tokens=2500)
     assert short.quantile(0.5) == 20 and long.quantile(0.5) == 800
-    off = PredictorConfig(min_neighbours=1, prior_weight=0.0, prompt_length_scale_log=0.0)
+    off = PredictorConfig(
+        min_neighbours=1, prior_weight=0.0, prompt_length_scale_log=0.0, neighbour_spread_scale=1
+    )
     assert blend(nb, LengthDist.point(1), off, prompt_tokens=12).cdf(20) == pytest.approx(0.5)
