@@ -90,3 +90,17 @@ def test_stop_after_violations_stops_early() -> None:
     res = simulate(reqs, "fcfs", stop_after_violations=1)
     assert res.stopped_early
     assert sum(r.completed for r in res.records) < len(reqs)
+
+
+def test_rank_scores_order_the_ltr_policy() -> None:
+    # Three requests queue behind a cap of 1; ltr serves the waiting ones by their learned
+    # rank score, whatever their (identical) predicted lengths say.
+    reqs = [_req(0.0, 10, 20), _req(0.001, 10, 20), _req(0.002, 10, 20)]
+    scores = [0.0, 5.0, -5.0]  # request 2 ranked shortest, request 1 longest
+    res = simulate(reqs, resolve("ltr", inflight_cap=1), rank_scores=scores)
+    finish = [r.finish_s for r in res.records]
+    assert finish[0] < finish[2] < finish[1]
+    flipped = simulate(reqs, resolve("ltr", inflight_cap=1), rank_scores=[0.0, -5.0, 5.0])
+    assert flipped.records[1].finish_s < flipped.records[2].finish_s
+    with pytest.raises(ValueError, match="rank_scores"):
+        simulate(reqs, "ltr", rank_scores=[1.0])
