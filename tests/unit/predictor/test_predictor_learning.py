@@ -106,9 +106,10 @@ def test_snapshot_v2_round_trip_and_v1_still_loads(embedder: Embedder, tmp_path:
 
 @pytest.mark.slow
 def test_ordering_on_unseen_alpaca_prompts(embedder: Embedder, shared_data: Path) -> None:
-    """A frozen 1,500/300 Alpaca sample (seed 3), real embeddings, settings as chosen by CV on
-    Alpaca (docs/benchmarks.md): τ of the Gittins order, of the ranker and the coverage.
-    Measured 0.50 / 0.47 / 0.79 on this sample; thresholds leave a margin."""
+    """A frozen 1,500/300 Alpaca sample (seed 3), real embeddings, the defaults plus Alpaca's
+    CV choice (docs/benchmarks.md): τ of the Gittins order, of the ranker, and the 10–90%
+    coverage. Measured 0.510 / 0.504 / 0.763 on this sample (v1 shipped: see the ablation);
+    the thresholds leave a margin of ~0.09 in τ."""
     from predictor.embedder import load_tokenizer
 
     pairs = load_pairs("alpaca", shared_data)
@@ -117,8 +118,7 @@ def test_ordering_on_unseen_alpaca_prompts(embedder: Embedder, shared_data: Path
     tok = load_tokenizer()
     p_len = [len(t) for t in tok([p for _, p, _ in pairs], add_special_tokens=False)["input_ids"]]
     y = [len(t) for t in tok([a for _, _, a in pairs], add_special_tokens=False)["input_ids"]]
-    cfg = PredictorConfig(ridge_weight=0.5, neighbour_spread_scale=0.75, prior_weight=0.5,
-                          k_neighbours=64, similarity_temperature=0.1)  # fmt: skip
+    cfg = PredictorConfig(ridge_weight=0.5, neighbour_spread_scale=0.75)
     model = LengthPredictor(cfg, embedder=embedder)
     vecs = model.embed([p for _, p, _ in pairs])
     model.learn_vectors(vecs[:1_500], y[:1_500], p_len[:1_500])
@@ -126,5 +126,5 @@ def test_ordering_on_unseen_alpaca_prompts(embedder: Embedder, shared_data: Path
     s = score(model.predict_vectors(vecs[1_500:], test_p), y[1_500:])
     rank_tau = kendalltau(model.rank_scores(vecs[1_500:], test_p), y[1_500:]).statistic
     assert s["kendall_tau"] > 0.42
-    assert rank_tau > 0.38
+    assert rank_tau > 0.42
     assert 0.7 <= s["coverage_10_90"] <= 0.9
