@@ -12,7 +12,7 @@ from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import StartGateway
 
 from predictor import Embedder, LengthPredictor
-from predictor.embedder import Embeddings
+from predictor.embedder import EmbeddingCache, Embeddings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,6 +47,8 @@ async def test_each_prompt_is_embedded_once(
         return encode(texts, batch_size)
 
     monkeypatch.setattr(embedder, "encode", counting)
+    # the session's embedder is shared: an empty cache, so no earlier test answers for us
+    monkeypatch.setattr(embedder, "cache", EmbeddingCache(1024))
     backend = await start_emulator()
     gw = await start_gateway([{"url": backend, "max_inflight": cap}], policy="sagesched",
                              predictor=predictor)  # fmt: skip
