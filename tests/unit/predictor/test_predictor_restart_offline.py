@@ -55,7 +55,10 @@ def test_restart_keeps_what_was_learned(restarted: dict[str, Any]) -> None:
     assert child["items"] == 4
     for want, (support, probs) in zip(restarted["expected"], child["dists"], strict=True):
         assert np.allclose(want.support, support) and np.allclose(want.probs, probs)
-    assert restarted["expected"][1].quantile(0.5) > 500  # it did learn the long answer
+    # it did learn the long answer: from four examples the blend of neighbours and ridge puts
+    # the TCP question well above the others (its median stays low: one long example of four)
+    means = [d.mean() for d in restarted["expected"]]
+    assert means[1] > 1.5 * max(means[0], means[2])
 
 
 @pytest.mark.slow
