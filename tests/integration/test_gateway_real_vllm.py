@@ -90,8 +90,11 @@ async def test_priority_forwarded_to_priority_vllm(
                 extra_body={"ignore_eos": True, "priority": 7},
             )
             assert r.usage is not None and r.usage.completion_tokens == 4
-    # The client's own priority is replaced by the gateway's rank among running requests.
-    assert [b["priority"] for b in sent] == [0, 0, 0]
+    # The client's own priority (7) is replaced by the level of the policy's key at grant
+    # time (`policies.capacity.priority_level`); FCFS keys rise with arrival, so do levels.
+    got = [b["priority"] for b in sent]
+    assert len(got) == 3 and got == sorted(got) and got != [7, 7, 7]
+    assert all(isinstance(p, int) for p in got)
 
 
 async def test_client_disconnect_aborts_in_vllm(
