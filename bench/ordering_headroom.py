@@ -10,7 +10,7 @@ the exact order gains less than a target, no predictor can reach it on that work
 
     python bench/ordering_headroom.py [--requests 2000] [--seeds 2]
 
-Workloads: `docwriting` (whole ShareGPT conversations, loadgen/study/docwriting.py) and
+Workloads: `docwriting` (whole ShareGPT conversations, `predictor.datasets.document_pairs`) and
 `docwriting+chat` (the same, with one ShareGPT first-turn chat request per document request:
 a service that writes documents and answers chat, the length mix of a general deployment).
 """

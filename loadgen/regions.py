@@ -111,6 +111,14 @@ def factor_for_rate(requests: Sequence[TraceRequest], rate_rps: float) -> float:
     return rate_rps / mean_rate_rps(requests)
 
 
+def kv_batch(requests: Sequence[TraceRequest], engine: EngineConfig) -> float:
+    """How many of these requests the engine's KV cache holds at once: its capacity over the
+    decode-time-weighted context Σ O·(I + O/2) / Σ O (a request holding more context for longer
+    counts for more)."""
+    held = sum(r.output_tokens * (r.prompt_tokens + r.output_tokens / 2) for r in requests)
+    return engine.kv_tokens * sum(r.output_tokens for r in requests) / max(held, 1.0)
+
+
 def factor_for_utilisation(
     requests: Sequence[TraceRequest],
     target: float,
@@ -126,9 +134,7 @@ def factor_for_utilisation(
     offered work is the window's output tokens over its (compressed) span.
     """
     prof = make_profile(profile) if isinstance(profile, str) else profile
-    held = sum(r.output_tokens * (r.prompt_tokens + r.output_tokens / 2) for r in requests)
-    kv_batch = engine.kv_tokens * sum(r.output_tokens for r in requests) / max(held, 1.0)
-    n = max(1, min(engine.max_seqs, int(kv_batch)))
+    n = max(1, min(engine.max_seqs, int(kv_batch(requests, engine))))
     mean_ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in requests) / len(requests)
     capacity_tps = n / prof.iteration_s(n, int(n * mean_ctx), 0)
     span = requests[-1].arrival_s - requests[0].arrival_s

@@ -6,8 +6,8 @@ Workloads, per dataset and utilisation level, one per *replicate* (seed or trace
   `MAX_PROMPT_TOKENS` and outputs at `MAX_OUTPUT_TOKENS`;
 - the Azure 2023 conversation trace: windows of `n_requests` consecutive requests with their
   real arrival times (stride sampler), no prompt text.
-- document writing (`loadgen.study.docwriting`): whole ShareGPT conversations as one request
-  each (answers of ~1,500 tokens), `memory_requests` per replicate, Poisson arrivals.
+- document writing (`predictor.datasets.document_pairs`): whole ShareGPT conversations as one
+  request each (answers of ~1,500 tokens), `memory_requests` per replicate, Poisson arrivals.
 Arrivals are compressed so offered decode work is `util` × the engine's token capacity
 (`loadgen.regions.factor_for_utilisation`). Two regimes (`Regime`), each a profile, an engine
 configuration and a gateway cap, with a drain long enough that every request finishes (mean
@@ -39,10 +39,9 @@ import numpy as np
 
 from loadgen.engine.configs import EngineConfig, engine_config
 from loadgen.metrics import summarize
-from loadgen.regions import compress, factor_for_utilisation
+from loadgen.regions import compress, factor_for_utilisation, kv_batch
 from loadgen.schema import TraceRequest
 from loadgen.sim.simulator import Contender, resolve, simulate
-from loadgen.study import docwriting
 from policies.dist import LengthDist
 
 PROFILE = "h200-llama3-8b"
@@ -86,12 +85,10 @@ def regime_of(dataset: str) -> Regime:
 
 def kv_cap(requests: Sequence[TraceRequest], engine: EngineConfig) -> int:
     """The gateway cap of the memory regime: `KV_CAP_FRACTION` of the sequences the KV cache
-    holds at the workload's decode-time-weighted context (Σ O·(I + O/2) / Σ O), so the gateway
+    holds for the workload (`loadgen.regions.kv_batch`), so the gateway
     keeps the backlog and the engine rarely preempts; what a cap tuned on vLLM's KV usage
     settles near (a fixed fraction, not tuned per policy)."""
-    held = sum(r.output_tokens * (r.prompt_tokens + r.output_tokens / 2) for r in requests)
-    batch = engine.kv_tokens * sum(r.output_tokens for r in requests) / max(held, 1.0)
-    return max(1, min(engine.max_seqs, int(KV_CAP_FRACTION * batch)))
+    return max(1, min(engine.max_seqs, int(KV_CAP_FRACTION * kv_batch(requests, engine))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +164,7 @@ def text_split(dataset: str, n_train: int, n_test: int, seed: int) -> tuple[list
     stem = f"{dataset}_{n_train}_{n_test}_{seed}"
     train, test = CACHE_DIR / f"{stem}_train.jsonl", CACHE_DIR / f"{stem}_test.jsonl"
     if not (train.exists() and test.exists()):
-        if dataset == docwriting.NAME:
-            docwriting.build_split(n_train, n_test, train, test, seed=seed)
-        else:
-            build_split(dataset, n_train, n_test, train, test, seed=seed)
+        build_split(dataset, n_train, n_test, train, test, seed=seed)
     return list(read_jsonl(train)), list(read_jsonl(test))
 
 

@@ -96,3 +96,25 @@ def test_bisection_reproduces_lambda_ref_on_every_frozen_window(source: str) -> 
     assert 0.9 <= statistics.median(ratios) <= 1.1
     assert sum(abs(x - 1) <= 0.2 for x in ratios) >= 0.8 * len(ratios)
     assert all(math.isfinite(x) for x in ratios)
+
+
+def test_kv_batch_bounds_the_full_batch_when_memory_binds() -> None:
+    from loadgen.engine.configs import engine_config
+    from loadgen.engine.profiles import make_profile
+    from loadgen.regions import factor_for_utilisation, kv_batch
+
+    # O·(I + O/2) per request: 1000·(1000 + 500) = 1.5e6 held over 1000 output tokens
+    reqs = [_req(float(i), 1000, 1000, 1e9) for i in range(10)]
+    qwen = engine_config("h200-qwen3-32b")
+    assert kv_batch(reqs, qwen) == pytest.approx(qwen.kv_tokens / 1500)
+    # KV holds 163 of these, fewer than the 1,024 sequences: that batch sets the capacity
+    prof = make_profile("h200-qwen3-32b")
+
+    def capacity(n: int) -> float:
+        return n / prof.iteration_s(n, n * 1500, 0)
+
+    roomy = qwen.with_(kv_tokens=10**9)
+    ratio = factor_for_utilisation(reqs, 1.0, engine=roomy, profile=prof) / (
+        factor_for_utilisation(reqs, 1.0, engine=qwen, profile=prof)
+    )
+    assert ratio == pytest.approx(capacity(1024) / capacity(163))

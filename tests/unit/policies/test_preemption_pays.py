@@ -70,7 +70,8 @@ def test_no_swap_pays_when_a_slot_frees_soon_anyway() -> None:
     almost_done = _job(2, 10, 100.0, generated=40)  # 60 tokens left: a slot in 60 steps
     assert not policy.preemption_pays(waiting, v, [v, almost_done], 1)
     busy = _job(3, 10, 6000.0, generated=1000)  # 5,000 left: swapping saves ~950 steps
-    assert policy.preemption_pays(waiting, _job(0, 990, 1010.0, generated=10), [v, busy], 1)
+    short_victim = _job(0, 990, 1010.0, generated=10)  # 1,000 left; the other has 5,000
+    assert policy.preemption_pays(waiting, short_victim, [short_victim, busy], 1)
 
 
 def test_the_engine_sets_the_cost_profile_once() -> None:
