@@ -43,6 +43,9 @@ class Backend:
     config: BackendConfig
     cap: int
     inflight: int = 0
+    finished: int = 0
+    """Requests released since start (done, failed or aborted): the cap controller's
+    turnover count."""
     healthy: bool = False
     models: frozenset[str] = field(default_factory=frozenset)
     discovered: list[dict[str, object]] = field(default_factory=list)
@@ -198,6 +201,7 @@ class BackendPool:
 
     def release(self, b: Backend) -> None:
         b.inflight -= 1
+        b.finished += 1
         self._metrics.inflight.labels(b.name).set(b.inflight)
         self._on_capacity()
 
@@ -263,7 +267,7 @@ class BackendPool:
             sample = read_sample(text) if status == 200 else EngineSample()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return  # no reading this time: the controller waits for the next one
-        self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight))
+        self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight, b.finished))
 
     def set_cap(self, b: Backend, new: int) -> None:
         """Apply a new cap; a larger one wakes the dispatcher."""

@@ -17,18 +17,20 @@ gateway; the engine model's state in the simulator), one `observe` per sample:
 2. **No information.** The gateway does not fill the cap (fewer than `busy_fraction` × cap in
    flight): demand, not the cap, sets the batch; the cap holds. More than the cap in flight
    (just lowered): the new level is not in force yet; the measurement waits.
-3. **Hill climb on throughput.** Otherwise each cap level is held for `settle` + `dwell`
-   samples and its generation-token rate measured over the `dwell` samples. Between two
-   levels the elasticity e = Δln(rate) / Δln(cap) says where the efficient batch lies: e ≥
+3. **Hill climb on throughput.** Otherwise each cap level is held for `settle` samples and
+   until `turnover` × cap requests have finished (the batch's mix of fresh and old requests
+   has settled), then its generation-token rate is measured over `dwell` samples, extended
+   (up to 4×) until the window spans `min_iterations` engine iterations. Between two levels
+   the elasticity e = Δln(rate) / Δln(cap) says where the efficient batch lies: e ≥
    `min_elasticity` (a larger batch still buys throughput in proportion) → go up; below →
-   go down. Levels grow by `slow_start_factor` at first (slow start: `settle`, then one
-   sample per level, sampled every `slow_start_interval_s`: under overload every second at a
-   small cap builds a backlog that never drains) and by `step` after the first reversal or limit,
-   the step doubling from the fourth move the same way on (up to ×2 per level) and halving
-   on a reversal, so the cap
-   settles within ±`step` of the point where the elasticity drops below
-   `min_elasticity`. Without a throughput series (unknown) the cap grows by `step` while the
-   engine shows no queue and KV room (plain AIMD).
+   go down. A move that did not pay is undone (back to the level before) and halves the
+   step. Levels grow by `slow_start_factor` at first (slow start: `settle`, then one sample
+   per level, every `slow_start_interval_s`: under overload every second at a small cap
+   builds a backlog that never drains) and by `step` after the first reversal or limit, the
+   step doubling from the fourth move the same way on (up to `max_step`), so the cap settles
+   within about ±`step` of the point where the elasticity drops below `min_elasticity`.
+   Without a throughput series (unknown) the cap grows by `step` while the engine shows no
+   queue and KV room (plain AIMD).
 
 A series the engine does not report is *unknown* (`None`), never 0: an unknown queue or KV
 usage is no limit, an unknown throughput disables the climb, and with nothing known at all
@@ -75,14 +77,29 @@ class CapLaw:
     """Multiplicative decrease on a limit."""
     step: float = 0.125
     """Relative move of the hill climb after slow start."""
+    max_step: float = 0.5
+    """Largest relative move of the hill climb (the step doubles up to it on a long run of
+    moves the same way). ×2 per level, once tried, crossed a knee at 28 from 21 to 84, and
+    the over-full engine took 12 s to drain back."""
     slow_start_factor: float = 2.0
     """Growth per sample during slow start (from a cold start, before the first limit)."""
-    min_elasticity: float = 0.3
+    min_elasticity: float = 0.5
     """Elasticity of throughput to the cap below which the batch counts as saturated."""
     settle: int = 1
     """Samples skipped after a move (the new requests' prefill)."""
     dwell: int = 2
     """Samples a level is measured over."""
+    min_iterations: int = 8
+    """Engine iterations (generated tokens / requests in flight) a level's window must span
+    before it is judged: a 0.25 s slow-start sample holds only a few slow iterations, and a
+    rate over so few is noise that can send slow start past the batch."""
+    turnover: float = 0.5
+    """After slow start, a level is measured only once this share of its cap has finished
+    since it came into force (when the caller counts finished requests). Until then the batch
+    still holds the old level's mix of requests: after a move up, fresh ones with short
+    contexts run fast; after a move down, old ones with long contexts run slow. Judged
+    earlier, that bias alone (one level up ≈ +0.4 elasticity) walked the emulator's cap
+    from a knee at 24 up to 48-61."""
     busy_fraction: float = 0.9
     """The cap binds while at least this share of it is in flight."""
 
@@ -93,6 +110,10 @@ class CapLaw:
             raise ValueError("need 1 <= min_cap <= max_cap")
         if self.interval_s <= 0 or self.slow_start_interval_s <= 0:
             raise ValueError("need interval_s > 0")
+        if self.min_iterations < 0:
+            raise ValueError("need min_iterations >= 0")
+        if not 0 < self.step <= self.max_step:
+            raise ValueError("need 0 < step <= max_step")
         if self.dwell < 1 or self.settle < 0 or self.step <= 0 or not 0 < self.backoff < 1:
             raise ValueError("need dwell >= 1, settle >= 0, step > 0, 0 < backoff < 1")
 
@@ -116,6 +137,10 @@ class CapController:
         self._last: tuple[float, float] | None = None
         """(time, generation counter) of the previous sample."""
         self._skip = law.settle
+        self._finished: int | None = None
+        """The caller's count of finished requests at the latest sample."""
+        self._mark: int | None = None
+        """That count when the current level came into force."""
         self._tokens = 0.0
         self._seconds = 0.0
         self._samples = 0
@@ -125,10 +150,15 @@ class CapController:
         """Seconds until the caller should sample again."""
         return self.law.slow_start_interval_s if self.slow_start else self.law.interval_s
 
-    def observe(self, now: float, sample: EngineSample, inflight: int) -> int:
-        """One sample at time `now` with `inflight` requests of the gateway on this engine.
-        Returns the (possibly new) cap."""
+    def observe(
+        self, now: float, sample: EngineSample, inflight: int, finished: int | None = None
+    ) -> int:
+        """One sample at time `now` with `inflight` requests of the gateway on this engine;
+        `finished`: the caller's running count of requests that left this engine (None:
+        not counted, a level is judged after `settle` samples alone). Returns the (possibly
+        new) cap."""
         law = self.law
+        self._finished = finished
         if sample == EngineSample():
             return self.cap  # nothing known (no metrics endpoint): keep the configured cap
         delta = self._counter_delta(now, sample.generation_tokens)
@@ -160,6 +190,8 @@ class CapController:
         if self._skip > 0:
             self._skip -= 1
             return self.cap
+        if not self.slow_start and not self._turned_over():
+            return self.cap  # the batch still holds the previous level's mix
         if delta is None:
             if sample.generation_tokens is None:  # no throughput series: plain AIMD growth
                 return self._move(self._up(self.cap))
@@ -168,8 +200,12 @@ class CapController:
         self._tokens += delta[0]
         self._seconds += delta[1]
         self._samples += 1
-        if self._samples < (1 if self.slow_start else law.dwell):
-            return self.cap
+        needed = 1 if self.slow_start else law.dwell
+        iterations = self._tokens / max(1, inflight)
+        if self._samples < needed or (
+            iterations < law.min_iterations and self._samples < 4 * needed
+        ):
+            return self.cap  # too short a window: keep measuring (at most 4x as long)
         return self._judge(self._tokens / self._seconds if self._seconds > 0 else 0.0)
 
     # -- steps ------------------------------------------------------------------------------
@@ -180,26 +216,29 @@ class CapController:
         prev, self._prev = self._prev, (self.cap, rate)
         if prev is None or prev[0] == self.cap:
             return self._move(self._up(self.cap))
-        elasticity = _elasticity(prev, (self.cap, rate))
-        if elasticity >= self.law.min_elasticity:
-            return self._move(self._up(self.cap))
+        up = _elasticity(prev, (self.cap, rate)) >= self.law.min_elasticity
         if self.slow_start:
-            # the growth overshot: resume from the last level that still paid
+            if up:
+                return self._move(self._up(self.cap))
             self.slow_start = False
             self._streak, self._step = 0, self.law.step
-            if prev[0] < self.cap:
-                return self._move(prev[0])
-        return self._move(self._down(self.cap))
+        if (self.cap > prev[0]) != up:
+            # the last move did not pay: undo it (the level before was measured better),
+            # a reversal, so the step halves. A ×1.5 overshoot past the batch comes back in
+            # one level instead of three.
+            self._factor(1 if up else -1)
+            return self._move(prev[0])
+        return self._move(self._up(self.cap) if up else self._down(self.cap))
 
     def _factor(self, direction: int) -> float:
         """Step factor of a climb move. From the fourth move in the same direction on, the
-        step doubles with every further one (up to ×2), so a far-off batch is reached in a
+        step doubles with every further one (up to `max_step`), so a far-off batch is reached in a
         few levels; a reversal halves it (down to `step`), so the climb closes in on the
         batch instead of circling it."""
         if self._streak * direction > 0:
             self._streak += direction
             if abs(self._streak) >= 4:
-                self._step = min(1.0, self._step * 2.0)
+                self._step = min(self.law.max_step, self._step * 2.0)
         else:
             if self._streak != 0:
                 self._step = max(self.law.step, self._step / 2.0)
@@ -220,7 +259,13 @@ class CapController:
             self._restart_level()
         return self.cap
 
+    def _turned_over(self) -> bool:
+        if self._finished is None or self._mark is None:
+            return True
+        return self._finished - self._mark >= self.law.turnover * self.cap
+
     def _restart_level(self) -> None:
+        self._mark = self._finished
         self._skip = self.law.settle
         self._tokens = self._seconds = 0.0
         self._samples = 0

@@ -155,6 +155,8 @@ class _Run:
         self.next_sample = math.inf if self.ctl is None else self.ctl.interval_s
         self.caps: list[int] = []
         """The tuned cap after every sample."""
+        self.released = 0
+        """Sequences that left the engine (finished or dropped): the cap's turnover count."""
 
     def run(self) -> tuple[float, bool]:
         """Simulate to the end (or the violation limit). Returns (end time, stopped early)."""
@@ -182,6 +184,7 @@ class _Run:
             t = self._snap(t + res.dt_s)
             if t >= self.next_sample:
                 self._sample(t)
+            self.released += len(res.dropped) + len(res.finished)
             for seq in res.dropped:
                 self._settle(seq, t, dropped=True)
             for seq in res.finished:
@@ -200,7 +203,7 @@ class _Run:
         assert self.ctl is not None
         e = self.engine
         sample = EngineSample(float(len(e.waiting)), e.kv_fraction(), float(e.generated_tokens))
-        self.caps.append(self.ctl.observe(t, sample, len(self.sched.running)))
+        self.caps.append(self.ctl.observe(t, sample, len(self.sched.running), self.released))
         while self.next_sample <= t:  # one reading after an idle gap, as a scrape would see
             self.next_sample += self.ctl.interval_s
 

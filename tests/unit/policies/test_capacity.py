@@ -119,7 +119,22 @@ def test_counter_reset_restarts_the_measurement() -> None:
     # the engine restarted: its counter went back; no judgement from a negative delta
     assert ctl.observe(0.5, EngineSample(0.0, 0.1, 10.0), 8) == 8
     assert ctl.observe(0.75, EngineSample(0.0, 0.1, 30.0), 8) == 8  # settling
-    assert ctl.observe(1.0, EngineSample(0.0, 0.1, 50.0), 8) == 16
+    assert ctl.observe(1.0, EngineSample(0.0, 0.1, 110.0), 8) == 16
+
+
+def test_a_window_of_few_engine_iterations_is_extended() -> None:
+    """8 in flight, 16 tokens per sample: two iterations, too few to judge a rate by. The
+    level is measured until its window spans `min_iterations` (here 4 samples, 64 tokens)."""
+    ctl = CapController(CapLaw(min_iterations=8), 8)
+    caps = [ctl.observe(0.25 * i, EngineSample(0.0, 0.1, 16.0 * i), 8) for i in range(1, 6)]
+    assert caps == [8, 8, 8, 8, 16], caps  # settle, three short samples, judged on the fourth
+    ctl = CapController(CapLaw(min_iterations=0), 8)
+    caps = [ctl.observe(0.25 * i, EngineSample(0.0, 0.1, 16.0 * i), 8) for i in range(1, 3)]
+    assert caps == [8, 16], caps  # without the rule: judged on two iterations
+    # a stalled engine (no tokens) is judged after 4x the samples, not never
+    ctl = CapController(CapLaw(min_iterations=8), 8)
+    caps = [ctl.observe(0.25 * i, EngineSample(0.0, 0.1, 0.0), 8) for i in range(1, 6)]
+    assert caps == [8, 8, 8, 8, 16], caps
 
 
 def test_stays_within_bounds() -> None:
