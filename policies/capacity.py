@@ -159,6 +159,8 @@ class CapController:
         new) cap."""
         law = self.law
         self._finished = finished
+        if self._mark is None:
+            self._mark = finished  # the configured level counts from the first sample
         if sample == EngineSample():
             return self.cap  # nothing known (no metrics endpoint): keep the configured cap
         delta = self._counter_delta(now, sample.generation_tokens)

@@ -64,19 +64,29 @@ def write_warm_set(requests: Sequence[ReplayRequest], path: Path, holdout: bool)
     return len(rows)
 
 
-def gateway_config(path: Path, port: int, backend: str, policy: str, cap: int,
-                   warm: Path | None) -> Path:  # fmt: skip
-    """A `sagesched serve --config` file: one backend at in-flight cap `cap`, the predictor
-    (if the policy needs one) warm-started from the JSONL `warm` (may be gzipped)."""
+def gateway_config(path: Path, port: int, backend: str, policy: str, cap: int | None,
+                   warm: Path | None, *, adaptive: bool = True,
+                   priority: bool = False) -> Path:  # fmt: skip
+    """A `sagesched serve --config` file: one backend, the predictor (if the policy needs
+    one) warm-started from the JSONL `warm` (may be gzipped). `cap`: the backend's
+    `max_inflight` (None: the shipped default), where the self-tuning cap starts, or the fixed
+    cap with `adaptive=False`. `priority`: the backend runs vLLM priority scheduling."""
     import yaml
 
+    backend_cfg: dict[str, object] = {"url": backend}
+    if cap is not None:
+        backend_cfg["max_inflight"] = cap
+    if priority:
+        backend_cfg["priority_scheduling"] = True
     cfg: dict[str, object] = {
         "port": port,
         "policy": policy,
-        "backends": [{"url": backend, "max_inflight": cap}],
+        "backends": [backend_cfg],
         "log_level": "WARNING",
         "health_interval_s": 0.5,
     }
+    if not adaptive:
+        cfg["adaptive_cap"] = {"enabled": False}
     if warm is not None:
         # loaded only if the policy asks for predictions (FCFS starts without torch)
         cfg["predictor"] = {"warm_start_jsonl": str(warm)}

@@ -9,13 +9,20 @@ measured and predicted gains are put side by side.
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from loadgen.engine.profiles import LatencyProfile
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.report import summarize_replay
 from loadgen.schema import TraceRequest
+
+LIVE_WINDOW = {"source": "lssp-azure2024", "window": 0, "n": 80, "max_prompt": 1800,
+               "max_output": 128, "factor": 1.0}  # fmt: skip
+"""The real-engine validation's window: 80 requests in 3.75 s, so a backlog forms on the
+vLLM CPU build (the slow test and `bench/live_modes.py`)."""
 
 
 def window_trace(source: str, window: int, n: int, max_prompt: int, max_output: int,
@@ -124,3 +131,51 @@ def measured_gain(direct: Sequence[ReplayResult], via: Sequence[ReplayResult]) -
         "gateway_lag_p99_s": g["lag_s_p99"],
         "ratio": g["e2el_s_mean"] / d["e2el_s_mean"],
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayArm:
+    """How one replay goes through the gateway: its policy and the backend's cap settings
+    (`cap` None: the shipped default `max_inflight`, tuned from there unless `adaptive` is
+    off); `priority`: the backend runs vLLM priority scheduling and gets each request's key."""
+
+    policy: str
+    cap: int | None = None
+    adaptive: bool = True
+    priority: bool = False
+
+
+def tagged(requests: Sequence[ReplayRequest], tag: str) -> list[ReplayRequest]:
+    """The requests with `tag` in front of each prompt, so that one run's prompts share no
+    prefix with another's (vLLM caches prefixes)."""
+    return [dataclasses.replace(r, prompt=f"{tag} {r.prompt}") for r in requests]
+
+
+def through_gateway(
+    backend: str, model: str, requests: Sequence[ReplayRequest], arm: GatewayArm, tmp: Path
+) -> tuple[list[ReplayResult], int]:
+    """`requests` replayed through a fresh gateway (its own process, one torch thread,
+    predictor warm-started from the shipped sample) in front of `backend`; the results and
+    the backend's in-flight cap at the end (`sagesched_backend_inflight_cap`)."""
+    from loadgen.demo.run import ONE_THREAD, gateway_config, write_warm_set
+    from loadgen.procs import Children, free_port, sagesched
+    from loadgen.replay.cli import run
+
+    with Children(tmp) as children:
+        port = free_port()
+        warm = tmp / "warm.jsonl"
+        write_warm_set([], warm, holdout=False)
+        cfg = gateway_config(tmp / f"gw-{arm.policy}.yaml", port, backend, arm.policy, arm.cap,
+                             warm, adaptive=arm.adaptive, priority=arm.priority)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        children.start("gateway", sagesched("serve", "--config", str(cfg)), url + "/ready",
+                       240, env=ONE_THREAD)  # fmt: skip
+        results = run(url, model, list(requests), progress=False)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    cap = next(
+        int(float(line.split()[-1]))
+        for line in text.splitlines()
+        if line.startswith("sagesched_backend_inflight_cap{")
+    )
+    return results, cap

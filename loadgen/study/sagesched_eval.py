@@ -140,6 +140,10 @@ class Result(NamedTuple):
     value: float
 
 
+Semantic = tuple[tuple[LengthDist, ...], tuple[float, ...]]
+"""The real predictor's beliefs and ranking scores for a workload's requests, in order."""
+
+
 @dataclass(frozen=True, slots=True)
 class Task:
     """One workload: every arm x contender on it."""
@@ -151,6 +155,8 @@ class Task:
     arms: tuple[tuple[str, tuple[LengthDist, ...] | None, float], ...]
     """(arm name, per-request beliefs or None, belief σ for the noisy oracle)."""
     regime: Regime = COMPUTE
+    rank_scores: tuple[float, ...] | None = None
+    """The real predictor's ranking score per request (the `semantic` arm's `ltr`)."""
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -170,21 +176,22 @@ def text_split(dataset: str, n_train: int, n_test: int, seed: int) -> tuple[list
 
 def semantic_beliefs(
     dataset: str, train: Sequence[Any], test: Sequence[Any], seed: int
-) -> list[LengthDist]:
-    """The real predictor's distribution for every test record (cached as .npz, keyed by the
-    split and the predictor's configuration)."""
+) -> tuple[list[LengthDist], list[float]]:
+    """The real predictor's distribution and its ranking model's score (`Job.rank_score`, for
+    `ltr`) for every test record (cached as .npz, keyed by the split and the predictor's
+    configuration)."""
     import hashlib
 
     from predictor.config import PredictorConfig
 
     tag = hashlib.sha256(repr(PredictorConfig()).encode()).hexdigest()[:8]
-    path = CACHE_DIR / f"{dataset}_{len(train)}_{len(test)}_{seed}_{tag}_semantic.npz"
+    path = CACHE_DIR / f"{dataset}_{len(train)}_{len(test)}_{seed}_{tag}_semantic_rank.npz"
     if path.exists():
         data = np.load(path)
         return [
             LengthDist(data["support"][a:b], data["probs"][a:b])
             for a, b in zip(data["start"][:-1], data["start"][1:], strict=True)
-        ]
+        ], [float(v) for v in data["rank"]]
     import torch
 
     from predictor.evaluate import SemanticPredictor
@@ -204,8 +211,9 @@ def semantic_beliefs(
         support=np.concatenate([d.support for d in dists]),
         probs=np.concatenate([d.probs for d in dists]),
         start=start,
+        rank=np.asarray(model.rank_scores, dtype=float),
     )
-    return dists
+    return dists, list(model.rank_scores)
 
 
 def _poisson(
@@ -258,7 +266,7 @@ def tasks(cfg: EvalConfig) -> list[Task]:
             windows = load_windows(
                 dataset, n_requests=cfg.n_requests, count=cfg.replicates, seed=cfg.seed
             )
-            bases: list[tuple[int, tuple[LengthDist, ...] | None, list[TraceRequest]]] = [
+            bases: list[tuple[int, Semantic | None, list[TraceRequest]]] = [
                 (k, None, list(w.requests)) for k, w in enumerate(windows)
             ]
         else:
@@ -266,11 +274,14 @@ def tasks(cfg: EvalConfig) -> list[Task]:
             n_test = cfg.memory_test if memory else cfg.n_test
             n = cfg.memory_requests if memory else cfg.n_requests
             train, test = text_split(dataset, cfg.n_train, n_test, cfg.seed)
-            beliefs = semantic_beliefs(dataset, train, test, cfg.seed) if cfg.semantic else None
+            predicted = semantic_beliefs(dataset, train, test, cfg.seed) if cfg.semantic else None
             bases = []
             for k in range(cfg.memory_replicates if memory else cfg.replicates):
                 idx, reqs = _poisson(test, n, np.random.default_rng([cfg.seed, k]))
-                sem = tuple(beliefs[i] for i in idx) if beliefs is not None else None
+                sem = None
+                if predicted is not None:
+                    beliefs, ranks = predicted
+                    sem = (tuple(beliefs[i] for i in idx), tuple(ranks[i] for i in idx))
                 bases.append((k, sem, reqs))
         utils = cfg.memory_utils if dataset in MEMORY_DATASETS else cfg.utils
         for util in utils:
@@ -284,15 +295,17 @@ def _task(
     util: float,
     k: int,
     reqs: Sequence[TraceRequest],
-    sem: tuple[LengthDist, ...] | None,
+    sem: Semantic | None,
     cfg: EvalConfig,
 ) -> Task:
     arms: list[tuple[str, tuple[LengthDist, ...] | None, float]] = []
     if sem is not None:
-        arms.append(("semantic", sem, 0.0))
+        arms.append(("semantic", sem[0], 0.0))
     arms += [(f"oracle-{round(100 * e)}%", None, e) for e in cfg.errors]
     regime = regime_of(dataset)
-    return Task(dataset, util, k, tuple(_at_util(reqs, util, regime)), tuple(arms), regime)
+    reqs = _at_util(reqs, util, regime)
+    ranks = None if sem is None else sem[1]
+    return Task(dataset, util, k, tuple(reqs), tuple(arms), regime, ranks)
 
 
 # -- running --------------------------------------------------------------------------------
@@ -322,7 +335,9 @@ def run_task(task: Task) -> list[Result]:
             if beliefs is None:
                 rng = np.random.default_rng([task.replicate, k, round(task.util * 100), 7])
                 reqs = _noisy(task.requests, sigma, rng)
-            res = simulate(reqs, c, profile, belief_sigma=sigma, beliefs=beliefs)
+            # the semantic arm's `ltr` ranks by the predictor's ranking model, as it would live
+            ranks = task.rank_scores if arm == "semantic" else None
+            res = simulate(reqs, c, profile, belief_sigma=sigma, beliefs=beliefs, rank_scores=ranks)
             rows += _rows(task, arm, c.name, res.records)
     return rows
 

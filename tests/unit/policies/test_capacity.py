@@ -172,3 +172,41 @@ def test_priority_level_keeps_the_order() -> None:
     # a factor of 2 is 4 levels apart; within 19% may share a level (FCFS inside vLLM)
     assert priority_level(-0.5) - priority_level(-1.0) == 4
     assert priority_level(0.0) == 0 and priority_level(-math.inf) < priority_level(-1e-300)
+
+
+def test_a_level_is_judged_only_after_half_its_cap_turned_over() -> None:
+    """After slow start, a new level's rate is biased until its batch has turned over: it
+    is not judged before `turnover` x cap requests finished since the move."""
+    law = CapLaw(min_iterations=0, turnover=0.5)
+    ctl = CapController(law, 20)
+    ctl.slow_start = False
+    tokens, t = 0.0, 0.0
+    finished = 0
+    caps = []
+    for _ in range(12):
+        t += 1.0
+        tokens += 200.0
+        finished += 2  # 2 requests leave per sample: 10 (half of 20) after 5 samples
+        caps.append(ctl.observe(t, EngineSample(0.0, 0.1, tokens), 20, finished))
+    first_move = next(i for i, c in enumerate(caps) if c != 20)
+    # sample 1 starts the counter, then settle, then 10 finished, then a 2-sample dwell
+    assert first_move >= 6, caps
+    # not counted (None): judged after settle + dwell alone
+    ctl = CapController(law, 20)
+    ctl.slow_start = False
+    caps = [ctl.observe(float(i), EngineSample(0.0, 0.1, 200.0 * i), 20) for i in range(1, 6)]
+    assert caps.index(next(c for c in caps if c != 20)) <= 3, caps
+
+
+def test_a_move_that_did_not_pay_is_undone() -> None:
+    """Up from 32 to 48 on a flat rate: back to 32 in one move (not 48 / 1.125 = 43)."""
+    ctl = CapController(CapLaw(min_iterations=0), 32)
+    ctl.slow_start = False
+    t, tokens = 0.0, 0.0
+    caps = []
+    for _ in range(40):
+        t += 1.0
+        tokens += 1000.0  # flat: the same rate at any cap
+        caps.append(ctl.observe(t, EngineSample(0.0, 0.1, tokens), ctl.cap))
+    levels = [c for i, c in enumerate(caps) if i == 0 or c != caps[i - 1]]
+    assert levels[:4] == [32, 36, 32, 28], levels  # up, undone, then down from 32
