@@ -25,16 +25,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadgen.demo.run import gateway_config, write_warm_set
 from loadgen.engine.configs import engine_config
 from loadgen.engine.profiles import profile_names
-from loadgen.procs import Children, free_port, sagesched
 from loadgen.regions import REGIONS, compress, region_factor
 from loadgen.replay.cli import run, served_model, write_jsonl
 from loadgen.replay.client import ReplayRequest, ReplayResult
 from loadgen.replay.prompts import build_requests, tokenize_counter
 from loadgen.replay.report import comparison, summarize_replay
-from loadgen.replay.validation import recommend_cap, simulated_ttlt
+from loadgen.replay.validation import GatewayArm, recommend_cap, simulated_ttlt, through_gateway
 from loadgen.schema import TraceRequest
 from loadgen.sim.cli import _windows
 
@@ -48,9 +46,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--region", default="KNEE", choices=list(REGIONS))
     p.add_argument("--rate-scale", type=float, default=1.0, help="extra factor on the load")
     p.add_argument("--first", type=int, help="only the first N requests of each window")
-    p.add_argument("--cap", default="32",
-                   help="gateway in-flight cap per backend, or 'auto': per window, the cap "
-                        "the simulator finds best for SageSched (2, 4, ..., 128)")  # fmt: skip
+    p.add_argument("--cap", default="default",
+                   help="'default': the shipped defaults (self-tuning cap); N: a fixed cap; "
+                        "'auto': per window, the fixed cap the simulator finds best for "
+                        "SageSched (2, 4, ..., 128)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=8192, help="the server's limit")
     p.add_argument("--max-output", type=int, help="cap output lengths (tokens)")
     p.add_argument("--profile", default="h200-llama3-8b", choices=profile_names())
@@ -82,8 +81,9 @@ def simulated_engine(args: argparse.Namespace) -> Any:
 
 
 def cap_for(reqs: list[ReplayRequest], args: argparse.Namespace) -> int:
-    """`--cap`, or with `--cap auto` the simulator's best cap for these requests."""
-    if args.cap != "auto":
+    """`--cap N`, or (`auto`, `default`) the simulator's best cap for these requests: the
+    gateway's fixed cap with `auto`, only the simulated comparison's with `default`."""
+    if args.cap not in ("auto", "default"):
         return int(args.cap)
     caps = (2, 4, 8, 16, 32, 64, 128)
     cap, sweep = recommend_cap(reqs, args.profile, caps, simulated_engine(args))
@@ -96,6 +96,20 @@ def simulated(reqs: list[ReplayRequest], args: argparse.Namespace, cap: int) -> 
     arms: dict[str, tuple[str, int | None]] = {"direct": ("fcfs", None)}
     arms |= {f"gateway-{p}": (p, cap) for p in _policies(args)}
     return simulated_ttlt(reqs, args.profile, arms, simulated_engine(args))
+
+
+CHECKS = {"gateway-sagesched / direct": 0.8, "gateway-sagesched / gateway-fcfs": 0.95}
+"""The bounds the real-vLLM validation targets (issue 15; docs/validation.md)."""
+
+
+def _checks(summaries: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Each check whose arms ran: (mean-TTLT ratio, bound)."""
+    out = {}
+    for name, bound in CHECKS.items():
+        a, b = (part.strip() for part in name.split("/"))
+        if a in summaries and b in summaries:
+            out[name] = (summaries[a]["e2el_s_mean"] / summaries[b]["e2el_s_mean"], bound)
+    return out
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
@@ -115,32 +129,34 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{w.source}/{w.window_id}@{args.region}"
         cap = cap_for(reqs, args)
         results: dict[str, list[ReplayResult]] = {}
+        end_caps: dict[str, int] = {}
         results["direct"] = run(args.url, model, reqs, desc=f"direct {label}")
-        with tempfile.TemporaryDirectory() as tmp, Children(Path(tmp)) as children:
-            warm = Path(tmp) / "warm.jsonl"
-            write_warm_set([], warm, holdout=False)
-            for policy in _policies(args):
-                port = free_port()
-                cfg = gateway_config(Path(tmp) / f"{policy}.yaml", port, args.url, policy,
-                                     cap, warm)  # fmt: skip
-                gw = children.start(f"gateway-{policy}", sagesched("serve", "--config", str(cfg)),
-                                    f"http://127.0.0.1:{port}/ready", 300)  # fmt: skip
-                url = f"http://127.0.0.1:{port}"
-                results[f"gateway-{policy}"] = run(url, model, reqs, desc=f"{policy} {label}")
-                children.stop(gw)
+        shipped = args.cap == "default"
+        for policy in _policies(args):
+            arm = GatewayArm(policy) if shipped else GatewayArm(policy, cap, adaptive=False)
+            print(f"{policy} {label} ...", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                results[f"gateway-{policy}"], end_caps[policy] = through_gateway(
+                    args.url, model, reqs, arm, Path(tmp)
+                )
         for name, rs in results.items():
             write_jsonl(str(out_dir / "requests.jsonl"), label, name, rs)
         summaries = {n: summarize_replay(rs) for n, rs in results.items()}
         sim = simulated(reqs, args, cap)
-        print(f"\n== {label} (load factor {factor:.3g}, {len(reqs)} requests, cap {cap})")
+        how = f"self-tuning cap, at the end {end_caps}" if shipped else f"cap {cap}"
+        print(f"\n== {label} (load factor {factor:.3g}, {len(reqs)} requests, {how})")
         print(comparison(summaries))
         print(f"{'mean TTLT ratio':<28}{'measured':>10}{'simulated':>11}")
         for name in summaries:
             m = summaries[name]["e2el_s_mean"] / summaries["direct"]["e2el_s_mean"]
             s = sim[name] / sim["direct"]
             print(f"{name + ' / direct':<28}{m:>10.3f}{s:>11.3f}")
-        report["windows"][label] = {"factor": factor, "cap": cap, "measured": summaries,
-                                    "simulated": sim}  # fmt: skip
+        checks = _checks(summaries)
+        for name, (value, bound) in checks.items():
+            print(f"check {name} < {bound}: {value:.3f} {'pass' if value < bound else 'FAIL'}")
+        report["windows"][label] = {"factor": factor, "cap": cap, "cap_at_end": end_caps,
+                                    "measured": summaries, "simulated": sim,
+                                    "checks": checks}  # fmt: skip
     (out_dir / "summary.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwritten: {out_dir}/summary.json, {out_dir}/requests.jsonl")
     return 0
