@@ -25,6 +25,7 @@ from aiohttp import web
 
 from gateway import passthrough as fwd
 from gateway.backends import BackendPool
+from gateway.capture import CaptureWriter
 from gateway.config import GatewayConfig, as_dict
 from gateway.dispatcher import Dispatcher, Ticket
 from gateway.errors import (
@@ -66,6 +67,8 @@ class GatewayState:
     """Predictor work running beside requests (refinements, learning); bounded."""
     counter: PromptCounter | None = None
     """Counts queued prompts with the backends' tokenizers (None: characters / 4 only)."""
+    capture: CaptureWriter | None = None
+    """Records every settled request to files (`serve --capture DIR`; None: off)."""
 
 
 STATE = web.AppKey("sagesched_state", GatewayState)
@@ -143,6 +146,10 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     )
     if config.tokenizer.enabled:
         state.counter = PromptCounter(pool, session, config.tokenizer)
+    writer: asyncio.Task[None] | None = None
+    if config.capture.dir is not None:
+        state.capture = CaptureWriter(config.capture, metrics.count_capture)
+        writer = asyncio.create_task(state.capture.run())
     app[STATE] = state
     await pool.start()
     saver = _start_saver(state)
@@ -151,6 +158,10 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         if saver is not None:
             saver.cancel()
+        if writer is not None:  # after the last request settled: flushes what is queued
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
         await pool.stop()
         await asyncio.gather(*state.background, return_exceptions=True)
         await _stop_predictor(app, state)
@@ -197,6 +208,8 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
             return render(GatewayError("internal error in the gateway"))
         finally:
             state.metrics.settle(trace)
+            if state.capture is not None:
+                state.capture.offer(trace)
 
     return handler
 

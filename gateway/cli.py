@@ -42,6 +42,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="tune each backend's cap from its vLLM metrics (default on; "
                    "--no-adaptive-cap: --max-inflight is fixed)")  # fmt: skip
     p.add_argument("--predictor-snapshot", help="load/save the predictor history here")
+    p.add_argument("--capture", metavar="DIR",
+                   help="record every request's counts and times (never text) to DIR")  # fmt: skip
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     return p
 
@@ -75,6 +77,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         ]
     if args.adaptive_cap is not None:
         out["adaptive_cap"] = {"enabled": args.adaptive_cap}
+    if args.capture:
+        out["capture"] = {"dir": args.capture}
     if args.predictor_snapshot:
         out["predictor"] = {"snapshot_path": args.predictor_snapshot}
     return out

@@ -75,6 +75,21 @@ class TokenizerSettings:
 
 
 @dataclass(frozen=True)
+class CaptureSettings:
+    """Traffic capture to rotating JSONL files (`gateway.capture`); off unless `dir` is set.
+    Records hold counts and times, never prompt or answer text."""
+
+    dir: str | None = None
+    """Folder for the capture files (None: no capture)."""
+    max_file_mb: float = 64.0
+    """A file is rotated once it reaches this size."""
+    max_files: int = 16
+    """Only the newest files are kept (bounded disk use: max_files × max_file_mb)."""
+    queue: int = 10_000
+    """Records waiting for the writer; beyond it a record is dropped and counted."""
+
+
+@dataclass(frozen=True)
 class PredictorSettings:
     """The semantic length predictor in the gateway."""
 
@@ -132,6 +147,7 @@ class GatewayConfig:
     (`policies.capacity.priority_level`), to backends with `priority_scheduling`."""
     adaptive_cap: AdaptiveCapConfig = field(default_factory=AdaptiveCapConfig)
     tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
+    capture: CaptureSettings = field(default_factory=CaptureSettings)
     predictor: PredictorSettings = field(default_factory=PredictorSettings)
     log_level: str = "INFO"
     """Python logging level."""
@@ -212,6 +228,9 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError("queue_timeout_s must be > 0")
     if config.tokenizer.timeout_s <= 0 or config.tokenizer.cache_entries < 0:
         raise ConfigError("tokenizer.timeout_s must be > 0 and tokenizer.cache_entries >= 0")
+    cap = config.capture
+    if cap.max_file_mb <= 0 or cap.max_files < 1 or cap.queue < 1:
+        raise ConfigError("capture needs max_file_mb > 0, max_files >= 1 and queue >= 1")
     from policies import parse_policy
 
     try:

@@ -121,6 +121,12 @@ class GatewayMetrics:
             "sagesched_preemptions", "Running requests preempted and requeued.",
             ("model", "backend", "policy"), registry=r,
         )  # fmt: skip
+        self.capture_records = Counter(
+            "sagesched_capture_records", "Traffic-capture records by result (written, dropped).",
+            ("result",), registry=r,
+        )  # fmt: skip
+        for result in ("written", "dropped"):
+            self.capture_records.labels(result)
         self.retries = Counter(
             "sagesched_retries", "Requests retried on another backend before the first byte.",
             ("model", "backend"), registry=r,
@@ -177,6 +183,10 @@ class GatewayMetrics:
             if t.predicted_median is not None and t.output_tokens > 0:
                 err = abs(t.predicted_median - t.output_tokens) / t.output_tokens
                 self.prediction_error.labels(t.model, t.policy).observe(err)
+
+    def count_capture(self, result: str) -> None:
+        """One traffic-capture record `written` or `dropped` (`gateway.capture`)."""
+        self.capture_records.labels(result).inc()
 
     def exposition(self) -> bytes:
         """The text exposition format of every series."""

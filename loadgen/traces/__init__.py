@@ -24,7 +24,7 @@ from pathlib import Path
 from loadgen.schema import TraceRequest, Window
 
 # Importing a reader module registers its sources (registry order: this import order).
-from loadgen.traces import azure, bailian, burstgpt, frozen, lssp, servegen  # noqa: F401
+from loadgen.traces import azure, bailian, burstgpt, capture, frozen, lssp, servegen  # noqa: F401
 from loadgen.traces.registry import (
     SHARED_DATA_ENV,
     Source,

@@ -100,6 +100,27 @@ def _print_windows(source: str, rows: list[dict[str, object]]) -> None:
         )
 
 
+def _print_capture(path: Path, as_json: bool, prog: str) -> int:
+    from loadgen.traces.capture import capture_summary, read_capture
+
+    try:
+        summary = capture_summary(path)
+        requests = read_capture(path, "capture")
+    except (OSError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    summary["completed_requests"] = len(requests)
+    if requests:
+        summary["prompt_tokens_mean"] = sum(r.prompt_tokens for r in requests) / len(requests)
+        summary["output_tokens_mean"] = sum(r.output_tokens for r in requests) / len(requests)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    for key, value in summary.items():
+        print(f"{key:>20}: {value}")
+    return 0
+
+
 def main(argv: list[str], prog: str = "sagesched traces") -> int:
     parser = argparse.ArgumentParser(
         prog=prog, description="List trace sources, their shipped frozen windows and knees."
@@ -112,7 +133,12 @@ def main(argv: list[str], prog: str = "sagesched traces") -> int:
     parser.add_argument(
         "--freeze", action="store_true", help="regenerate the shipped windows from shared data"
     )
+    parser.add_argument(
+        "--capture", metavar="PATH", type=Path, help="summarise a capture: file or folder"
+    )
     args = parser.parse_args(argv)
+    if args.capture is not None:
+        return _print_capture(args.capture, args.json, prog)
     if args.freeze:
         for source in frozen.FROZEN_SPEC:
             print(f"{source}: {len(frozen.write_frozen_from_shared(source))} windows")

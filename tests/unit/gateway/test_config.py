@@ -64,3 +64,12 @@ def test_self_tuning_cap_and_priority_forwarding_are_on_by_default() -> None:
     assert cfg.adaptive_cap.enabled and cfg.forward_priority
     args = build_parser("serve").parse_args(["--backend", "http://x:1", "--no-adaptive-cap"])
     assert not load(None, overrides(args), {}).adaptive_cap.enabled
+
+
+def test_capture_is_off_by_default_and_set_by_flag_or_yaml() -> None:
+    base = {"backends": [{"url": "http://x:1"}]}
+    assert build(base).capture.dir is None
+    args = build_parser("serve").parse_args(["--backend", "http://x:1", "--capture", "/tmp/c"])
+    assert load(None, overrides(args), {}).capture.dir == "/tmp/c"
+    with pytest.raises(ConfigError, match="capture"):
+        build({**base, "capture": {"dir": "/tmp/c", "max_files": 0}})

@@ -15,6 +15,7 @@ from loadgen.traces.lssp import LsspSource
 
 STABLE_NAMES = {
     "azure-code-2023",
+    "capture",
     "azure-conv-2023",
     "azure-2024",
     "burstgpt-v1",
@@ -33,7 +34,11 @@ STABLE_NAMES = {
 def test_registry_holds_the_stable_names() -> None:
     assert set(source_names()) == STABLE_NAMES
     infos = {i.name: i for i in list_sources()}
-    assert {n for n, i in infos.items() if i.needs_path} == {"azure-2024", "bailian-traceb"}
+    assert {n for n, i in infos.items() if i.needs_path} == {
+        "azure-2024",
+        "bailian-traceb",
+        "capture",
+    }
     assert infos["burstgpt-lengths"].has_arrivals is False
     assert all(i.description for i in infos.values())
 
