@@ -98,18 +98,18 @@ def simulated(reqs: list[ReplayRequest], args: argparse.Namespace, cap: int) -> 
     return simulated_ttlt(reqs, args.profile, arms, simulated_engine(args))
 
 
-CHECKS = {"gateway-sagesched / direct": 0.8, "gateway-sagesched / gateway-fcfs": 0.95}
-"""The bounds the real-vLLM validation targets (issue 15; docs/validation.md)."""
+CHECKS = (("gateway-sagesched", "direct", 0.8), ("gateway-sagesched", "gateway-fcfs", 0.95))
+"""(arm, baseline, bound on their mean-TTLT ratio): the real-vLLM validation's targets
+(issue 15; docs/validation.md)."""
 
 
 def _checks(summaries: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """Each check whose arms ran: (mean-TTLT ratio, bound)."""
-    out = {}
-    for name, bound in CHECKS.items():
-        a, b = (part.strip() for part in name.split("/"))
-        if a in summaries and b in summaries:
-            out[name] = (summaries[a]["e2el_s_mean"] / summaries[b]["e2el_s_mean"], bound)
-    return out
+    """`arm / baseline` → (mean-TTLT ratio, bound), for each check whose arms ran."""
+    return {
+        f"{arm} / {base}": (summaries[arm]["e2el_s_mean"] / summaries[base]["e2el_s_mean"], bound)
+        for arm, base, bound in CHECKS
+        if arm in summaries and base in summaries
+    }
 
 
 def _policies(args: argparse.Namespace) -> list[str]:

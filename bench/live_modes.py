@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(on_priority for on_priority, _ in specs.values()):
             servers[True] = stack.enter_context(RealVllm(priority=True, cpus=engine))
         os.sched_setaffinity(0, front)
-        reqs = _requests(servers[False])
+        reqs = _requests(list(servers.values()))
         rounds = []
         tags = iter(f"run{i}" for i in range(10_000))
         for i in range(args.rounds):
@@ -99,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _requests(server: RealVllm) -> list[ReplayRequest]:
-    count = tokenize_counter(server.url, server.name)
+def _requests(servers: list[RealVllm]) -> list[ReplayRequest]:
+    """The window's requests (prompts sized by the first server's tokenizer); every server
+    warmed up first (a fresh one is slow on its first batch shapes)."""
+    count = tokenize_counter(servers[0].url, servers[0].name)
     trace = window_trace(**LIVE_WINDOW)  # type: ignore[arg-type]
     reqs = build_requests(trace, prompts="sample", count_tokens=count, pad=True)
-    for s in RealVllm._live:  # a fresh server is slow on its first batch shapes: warm up
-        warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
+    warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
+    for s in servers:
         with s.quiet():
             run(s.url, s.name, warm, progress=False)
     return reqs

@@ -145,6 +145,9 @@ class GatewayArm:
     priority: bool = False
 
 
+CAP_SERIES = "sagesched_backend_inflight_cap"
+
+
 def tagged(requests: Sequence[ReplayRequest], tag: str) -> list[ReplayRequest]:
     """The requests with `tag` in front of each prompt, so that one run's prompts share no
     prefix with another's (vLLM caches prefixes)."""
@@ -157,6 +160,8 @@ def through_gateway(
     """`requests` replayed through a fresh gateway (its own process, one torch thread,
     predictor warm-started from the shipped sample) in front of `backend`; the results and
     the backend's in-flight cap at the end (`sagesched_backend_inflight_cap`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     from loadgen.demo.run import ONE_THREAD, gateway_config, write_warm_set
     from loadgen.procs import Children, free_port, sagesched
     from loadgen.replay.cli import run
@@ -173,9 +178,11 @@ def through_gateway(
         results = run(url, model, list(requests), progress=False)
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-    cap = next(
-        int(float(line.split()[-1]))
-        for line in text.splitlines()
-        if line.startswith("sagesched_backend_inflight_cap{")
-    )
-    return results, cap
+    # one backend: its cap (loadgen does not import the gateway's own scrape helper)
+    caps = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == CAP_SERIES
+    ]
+    return results, int(caps[0])

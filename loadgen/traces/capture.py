@@ -52,6 +52,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def read_capture(path: Path, source: str) -> list[TraceRequest]:
     """The completed requests of a capture, in arrival order."""
+    return _completed(read_records(path), source)
+
+
+def _completed(records: list[dict[str, Any]], source: str) -> list[TraceRequest]:
     requests = [
         TraceRequest(
             arrival_s=float(r["arrival_s"]),
@@ -60,7 +64,7 @@ def read_capture(path: Path, source: str) -> list[TraceRequest]:
             source=source,
             tenant=r.get("model"),
         )
-        for r in read_records(path)
+        for r in records
         if r.get("outcome") == "completed"
         and r.get("prompt_tokens")
         and int(r.get("output_tokens") or 0) > 0
@@ -70,18 +74,25 @@ def read_capture(path: Path, source: str) -> list[TraceRequest]:
 
 
 def capture_summary(path: Path) -> dict[str, Any]:
-    """Counts by outcome and model, the time span and the arrival rate of a capture."""
+    """Counts by outcome and model, the time span, the arrival rate and the completed
+    requests' mean lengths of a capture (its files read once)."""
     records = read_records(path)
     arrivals = sorted(float(r["arrival_s"]) for r in records)
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-    return {
+    done = _completed(records, "capture")
+    summary: dict[str, Any] = {
         "files": len(capture_files(path)),
         "records": len(records),
         "outcomes": dict(Counter(str(r.get("outcome")) for r in records)),
         "models": dict(Counter(str(r.get("model")) for r in records)),
         "span_s": span,
         "rate_per_s": (len(records) - 1) / span if span > 0 else None,
+        "completed_requests": len(done),
     }
+    if done:
+        summary["prompt_tokens_mean"] = sum(r.prompt_tokens for r in done) / len(done)
+        summary["output_tokens_mean"] = sum(r.output_tokens for r in done) / len(done)
+    return summary
 
 
 register_source(

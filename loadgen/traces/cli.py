@@ -101,18 +101,13 @@ def _print_windows(source: str, rows: list[dict[str, object]]) -> None:
 
 
 def _print_capture(path: Path, as_json: bool, prog: str) -> int:
-    from loadgen.traces.capture import capture_summary, read_capture
+    from loadgen.traces.capture import capture_summary
 
     try:
         summary = capture_summary(path)
-        requests = read_capture(path, "capture")
     except (OSError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    summary["completed_requests"] = len(requests)
-    if requests:
-        summary["prompt_tokens_mean"] = sum(r.prompt_tokens for r in requests) / len(requests)
-        summary["output_tokens_mean"] = sum(r.output_tokens for r in requests) / len(requests)
     if as_json:
         print(json.dumps(summary, indent=2))
         return 0

@@ -53,7 +53,6 @@ from loadgen.vllm_real import CACHE, RealVllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-WINDOW = LIVE_WINDOW
 PROFILE = "cpu-tiny-vllm"
 PAIRS = 3
 ARMS = ("direct", "sagesched", "fcfs")
@@ -79,7 +78,7 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     t_start = time.monotonic()
     count = tokenize_counter(server.url, server.name)
     assert count is not None, "vLLM's /tokenize is missing"
-    trace = window_trace(**WINDOW)  # type: ignore[arg-type]
+    trace = window_trace(**LIVE_WINDOW)  # type: ignore[arg-type]
     reqs = build_requests(trace, prompts="sample", count_tokens=count, pad=True)
     assert sum(r.prompt_tokens == t.prompt_tokens for r, t in zip(reqs, trace, strict=True)) >= 70
     cap, sweep = recommend_cap(reqs, PROFILE)  # for the simulated comparison only
@@ -115,7 +114,7 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     ratios = ("sagesched_over_direct", "fcfs_over_direct", "sagesched_over_fcfs")
     simulated = simulated_gain(reqs, PROFILE, cap, policies=("sagesched", "fcfs"))
     result: dict[str, Any] = {
-        "window": WINDOW,
+        "window": LIVE_WINDOW,
         "cpus": {"engine": server.cpus, "front_end": sorted(os.sched_getaffinity(0))},
         "gateway": {
             "config": "shipped defaults (self-tuning cap)",

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from fixtures.emulator_fixtures import StartEmulator
-from fixtures.gateway_fixtures import StartGateway
+from fixtures.gateway_fixtures import RunningGateway, StartGateway
 from fixtures.scrape import scrape, total
 
 from predictor import Embedder, LengthPredictor
@@ -44,10 +44,11 @@ async def read_events(resp: aiohttp.ClientResponse, started: asyncio.Event) -> l
     return events
 
 
-@pytest.mark.parametrize("kind", ["chat", "completions"])
-async def test_preempted_stream_continues_seamlessly(
-    kind: str, start_emulator: StartEmulator, start_gateway: StartGateway, embedder: Embedder
-) -> None:
+async def preempting_gateway(
+    start_emulator: StartEmulator, start_gateway: StartGateway, embedder: Embedder
+) -> tuple[str, RunningGateway]:
+    """An emulator behind a one-slot SageSched gateway that preempts, whose predictor knows
+    LONG as long and SHORT as short: SHORT arriving while LONG runs preempts it."""
     predictor = LengthPredictor(embedder=embedder)
     predictor.observe_many([LONG, SHORT], [1500, 3])
     backend = await start_emulator(time_scale=0.5)
@@ -58,6 +59,14 @@ async def test_preempted_stream_continues_seamlessly(
         preemption_margin=0.0,
         predictor=predictor,
     )
+    return backend, gw
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_preempted_stream_continues_seamlessly(
+    kind: str, start_emulator: StartEmulator, start_gateway: StartGateway, embedder: Embedder
+) -> None:
+    _, gw = await preempting_gateway(start_emulator, start_gateway, embedder)
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     async with aiohttp.ClientSession() as s:
         started = asyncio.Event()
@@ -90,16 +99,7 @@ async def test_resumed_answer_is_the_uninterrupted_one(
     """With `min_tokens` (lowered on the continuation like the token cap; vLLM rejects
     `min_tokens` above `max_tokens`), the preempted answer is word for word the answer the
     backend gives without preemption: the emulator resumes a continuation where it stopped."""
-    predictor = LengthPredictor(embedder=embedder)
-    predictor.observe_many([LONG, SHORT], [1500, 3])
-    backend = await start_emulator(time_scale=0.5)
-    gw = await start_gateway(
-        [{"url": backend, "max_inflight": 1}],
-        policy="sagesched",
-        preemption=True,
-        preemption_margin=0.0,
-        predictor=predictor,
-    )
+    backend, gw = await preempting_gateway(start_emulator, start_gateway, embedder)
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     long_body = body(kind, LONG, 90)
     del long_body["ignore_eos"]
