@@ -34,8 +34,13 @@ class Grid:
         return self.matrices[(axis, source, region, metric)]
 
 
-def build(rows: Sequence[Row], policies: Sequence[str] = HEADLINE_POLICIES) -> Grid:
-    """Group rows into oriented matrices; windows in sorted order, policies in `policies`."""
+def build(
+    rows: Sequence[Row],
+    policies: Sequence[str] = HEADLINE_POLICIES,
+    sources: Sequence[str] = SOURCES,
+) -> Grid:
+    """Group rows into oriented matrices; windows in sorted order, policies in `policies`,
+    sources in `sources` order (those with rows)."""
     col = {p: i for i, p in enumerate(policies)}
     cells: dict[Key, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
@@ -56,7 +61,7 @@ def build(rows: Sequence[Row], policies: Sequence[str] = HEADLINE_POLICIES) -> G
     return Grid(
         tuple(policies),
         mats,
-        tuple(s for s in SOURCES if s in present),
+        tuple(s for s in sources if s in present),
         axes,
         regions,
         tuple(m for m in METRICS if any(k[3] == m for k in mats)),

@@ -37,7 +37,35 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--small", action="store_true", help="sagesched: the seconds-long grid (tests, CI)"
     )
+    what = p.add_argument_group("what-if on your traffic (lssp mode with --trace)")
+    what.add_argument("--trace", type=Path, help="a capture file or folder (serve --capture)")
+    what.add_argument("--profile", default="lssp-constant", help="engine latency profile")
+    what.add_argument("--window-requests", type=int, default=200, help="requests per window")
+    what.add_argument(
+        "--public-windows", type=int, default=10, help="frozen windows per public source"
+    )
     return p
+
+
+def _whatif(args: argparse.Namespace) -> dict[str, object]:
+    from loadgen.engine.profiles import profile_names
+    from loadgen.study import whatif
+
+    if args.profile not in profile_names():
+        raise ValueError(f"unknown profile {args.profile!r}; known: {profile_names()}")
+    return whatif.run_whatif(
+        args.trace,
+        args.out,
+        profile=args.profile,
+        window_requests=args.window_requests,
+        public_per_source=args.public_windows,
+        regions=args.regions.split(",") if args.regions else None,
+        policies=tuple(args.policies.split(",")) if args.policies else whatif.POLICIES,
+        executor=args.executor,
+        workers=args.workers,
+        n_boot=args.boot,
+        progress=not args.no_progress,
+    )
 
 
 def _lssp(args: argparse.Namespace) -> dict[str, object]:
@@ -104,7 +132,12 @@ def main(argv: list[str], prog: str = "sagesched study") -> int:
     args = _parser(prog).parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        summary = _lssp(args) if args.mode == "lssp" else _sagesched(args)
+        if args.trace is not None and args.mode != "lssp":
+            raise ValueError("--trace runs the portability grid: use it with --mode lssp")
+        if args.trace is not None:
+            summary = _whatif(args)
+        else:
+            summary = _lssp(args) if args.mode == "lssp" else _sagesched(args)
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -68,6 +68,18 @@ one policy twice. Neither has a published mechanism to copy (docs/simulator.md).
 HEADLINE_POLICIES: tuple[str, ...] = tuple(
     p for p in POLICIES if p not in ROBUSTNESS_ONLY and p not in ALIASES
 )
+GATEWAY_POLICIES: dict[str, tuple[str, int | None]] = {
+    "sagesched": ("sagesched", -1),
+    "trail": ("trail", -1),
+    "fastserve": ("fastserve", -1),
+}
+"""This project's gateway policies that the paper's grid lacks, run only by the what-if on a
+capture (`loadgen.study.whatif`), beside the headline policies, with the log-normal belief
+(σ = 0.2) around each request's imputed prediction that the paper's predicted fields carry."""
+MEASURED = "MEASURED"
+"""The load point of a capture's own clock (arrival factor 1; SLO slack at the knee's
+tightness, as on the utilisation axis): the operator's measured load, which the what-if runs
+next to the knee regions."""
 
 METRICS: dict[str, bool] = {
     # study metric: higher is better
@@ -117,13 +129,19 @@ class Row(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """The unit of work shipped to a worker: one window, some load points, some policies."""
+    """The unit of work shipped to a worker: one window, some load points, some policies.
+
+    A frozen source's window is named by its index (the worker loads it); a window that exists
+    only in the caller (a capture's) travels whole in `window`. `profile` is the engine's
+    latency profile (the paper's `lssp-constant` unless the what-if asks for another)."""
 
     source: str
     window_index: int
     axis: str
     regions: tuple[str, ...]
     policies: tuple[str, ...]
+    window: Window | None = None
+    profile: str = "lssp-constant"
 
     @property
     def cells(self) -> int:
@@ -139,14 +157,16 @@ def windows_of(source: str) -> tuple[Window, ...]:
 
 
 def contender(policy: str) -> Contender:
-    """The contender that plays the paper's `policy`."""
-    spec, cap = POLICIES[policy]
+    """The contender that plays the paper's `policy` (or one of `GATEWAY_POLICIES`)."""
+    spec, cap = POLICIES[policy] if policy in POLICIES else GATEWAY_POLICIES[policy]
     return resolve(spec, inflight_cap=cap)
 
 
 def load_point(window: Window, axis: str, region: str) -> tuple[float, float]:
     """(arrival factor, SLO-slack factor) of a load point for a window."""
     knee = region_factor(window, "KNEE")
+    if region == MEASURED:
+        return 1.0, knee
     if axis == "knee":
         factor = region_factor(window, region)
         return factor, factor
@@ -155,10 +175,13 @@ def load_point(window: Window, axis: str, region: str) -> tuple[float, float]:
     raise ValueError(f"unknown axis {axis!r}; known: {list(AXES)}")
 
 
-def cell_metrics(window: Window, axis: str, region: str, policy: str) -> dict[str, float]:
+def cell_metrics(
+    window: Window, axis: str, region: str, policy: str, profile: str = "lssp-constant"
+) -> dict[str, float]:
     """Every study metric of one cell (NaN where undefined)."""
     factor, slo = load_point(window, axis, region)
-    res = simulate(compress(window.requests, factor, slo_factor=slo), contender(policy))
+    requests = compress(window.requests, factor, slo_factor=slo)
+    res = simulate(requests, contender(policy), profile)
     summary = summarize(res.records)
     out = {m: summary[_SUMMARY_KEYS.get(m, m)] for m in METRICS}
     out["slo_violation_rate"] = late_rate(res.records)
@@ -167,11 +190,12 @@ def cell_metrics(window: Window, axis: str, region: str, policy: str) -> dict[st
 
 def run_chunk(chunk: Chunk) -> list[Row]:
     """Every cell of a chunk, as tidy rows (a top-level function, so it pickles)."""
-    window = windows_of(chunk.source)[chunk.window_index]
+    window = chunk.window or windows_of(chunk.source)[chunk.window_index]
     rows = []
     for region in chunk.regions:
         for policy in chunk.policies:
-            for metric, value in cell_metrics(window, chunk.axis, region, policy).items():
+            cell = cell_metrics(window, chunk.axis, region, policy, chunk.profile)
+            for metric, value in cell.items():
                 rows.append(
                     Row(chunk.source, window.window_id, chunk.axis, region, policy, metric, value)
                 )

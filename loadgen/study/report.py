@@ -195,7 +195,7 @@ DIFFERENCES = """\
   compares 39–40 windows per side, as in the paper but one fewer for Azure.
 - **Ties.** Many policies reach ANWG = 1.0 at LOW, so τ-b there rests on few untied pairs and is
   undefined when a source ranks every policy equal; undefined cells are reported as n/a, never
-  imputed. τ-b takes few distinct values over 11 policies, so a percentile interval often has
+  imputed. τ-b takes few distinct values over 10 policies, so a percentile interval often has
   the point estimate at one end. Rankings list tied policies by name.
 """
 
@@ -228,7 +228,7 @@ def write_lssp(
         md += ["", f"## Load axis: {title}", ""]
         if not is_knee:
             md += _util_intro(grid)
-        md += ["### Cross-source Kendall τ-b (ANWG, 11 policies)", ""]
+        md += [f"### Cross-source Kendall τ-b (ANWG, {len(grid.policies)} policies)", ""]
         md += _tau_section(taus, regions, published=is_knee)
         md += [
             "",
