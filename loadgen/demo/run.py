@@ -65,12 +65,13 @@ def write_warm_set(requests: Sequence[ReplayRequest], path: Path, holdout: bool)
 
 
 def gateway_config(path: Path, port: int, backend: str, policy: str, cap: int | None,
-                   warm: Path | None, *, adaptive: bool = True,
-                   priority: bool = False) -> Path:  # fmt: skip
+                   warm: Path | None, *, adaptive: bool = True, priority: bool = False,
+                   capture: Path | None = None) -> Path:  # fmt: skip
     """A `sagesched serve --config` file: one backend, the predictor (if the policy needs
     one) warm-started from the JSONL `warm` (may be gzipped). `cap`: the backend's
     `max_inflight` (None: the shipped default), where the self-tuning cap starts, or the fixed
-    cap with `adaptive=False`. `priority`: the backend runs vLLM priority scheduling."""
+    cap with `adaptive=False`. `priority`: the backend runs vLLM priority scheduling.
+    `capture`: the folder the gateway records its traffic to (`serve --capture`)."""
     import yaml
 
     backend_cfg: dict[str, object] = {"url": backend}
@@ -87,6 +88,8 @@ def gateway_config(path: Path, port: int, backend: str, policy: str, cap: int | 
     }
     if not adaptive:
         cfg["adaptive_cap"] = {"enabled": False}
+    if capture is not None:
+        cfg["capture"] = {"dir": str(capture)}
     if warm is not None:
         # loaded only if the policy asks for predictions (FCFS starts without torch)
         cfg["predictor"] = {"warm_start_jsonl": str(warm)}
@@ -133,6 +136,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="warm the predictor only on sample prompts the replay does not send",
     )
     p.add_argument("--png", default="demo-ttlt.png", help="where to write the TTLT plot")
+    p.add_argument(
+        "--capture", type=Path, help="record each gateway's traffic to CAPTURE/<policy>/"
+    )
     p.add_argument("--json", action="store_true", help="print the summaries as JSON")
     return p
 
@@ -162,7 +168,9 @@ def main(argv: list[str], prog: str = "sagesched demo") -> int:
         print(f"demo: predictor warmed on {n_warm} sample prompts {which}", flush=True)
         for policy in policies:
             port = free_port()
-            cfg = gateway_config(work / f"{policy}.yaml", port, emu, policy, args.cap, warm)
+            capture = args.capture / policy if args.capture else None
+            cfg = gateway_config(work / f"{policy}.yaml", port, emu, policy, args.cap, warm,
+                                 capture=capture)  # fmt: skip
             t0 = time.monotonic()
             # one torch thread: the embedder must leave a core to the backend and the client
             gw = ch.start(f"gateway-{policy}", sagesched("serve", "--config", str(cfg)),
@@ -185,4 +193,6 @@ def main(argv: list[str], prog: str = "sagesched demo") -> int:
             for w in warnings_for(summaries[p]):
                 print(f"{p}: {w}")
         print(f"\nTTLT distributions: {args.png}   (demo took {time.monotonic() - t_start:.0f} s)")
+        if args.capture:
+            print(f"traffic captured under {args.capture}/<policy>/ (sagesched traces --capture)")
     return 0 if all(s["failed"] == 0 for s in summaries.values()) else 1
