@@ -35,9 +35,12 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALL
 
 
 def workload(
-    n: int, max_output: int, utilisation: float, cap: int, seed: int = 0
+    n: int, max_output: int, utilisation: float, cap: int | None, seed: int = 0
 ) -> tuple[list[ReplayRequest], float]:
-    """The demo window's first `n` requests at the demo load, and the load factor used."""
+    """The demo window's first `n` requests at the demo load, and the load factor used.
+
+    `utilisation` is offered decode work over the token capacity of the emulated engine with
+    `cap` sequences (None: its full batch, where its throughput saturates)."""
     from loadgen.engine.configs import engine_config
     from loadgen.regions import compress, factor_for_utilisation
     from loadgen.traces import shipped_windows
@@ -48,7 +51,9 @@ def workload(
     import dataclasses
 
     trace = [dataclasses.replace(r, output_tokens=o) for r, o in zip(trace, capped, strict=True)]
-    engine = engine_config("vllm-chunked-prefill").with_(max_seqs=cap)
+    engine = engine_config("vllm-chunked-prefill")
+    if cap is not None:
+        engine = engine.with_(max_seqs=cap)
     factor = factor_for_utilisation(trace, utilisation, engine=engine, profile=PROFILE)
     return build_requests(compress(trace, factor), prompts="sample", seed=seed), factor
 
@@ -126,8 +131,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="FCFS vs SageSched on an emulated backend.")
     p.add_argument("--requests", type=int, default=150, help="first N requests of the window")
     p.add_argument("--max-output", type=int, default=256, help="output length cap (tokens)")
-    p.add_argument("--utilisation", type=float, default=1.6, help="offered decode load")
-    p.add_argument("--cap", type=int, default=4, help="gateway in-flight cap")
+    p.add_argument(
+        "--utilisation", type=float, default=1.6, help="offered work over the engine's peak rate"
+    )
+    p.add_argument("--cap", type=int, help="fixed in-flight cap (default: self-tuning)")
     p.add_argument("--time-scale", type=float, default=1.0, help="emulator speed-up (0.5: 2x)")
     p.add_argument("--policies", default="fcfs,sagesched", help="first is the baseline")
     p.add_argument(
@@ -152,7 +159,8 @@ def main(argv: list[str], prog: str = "sagesched demo") -> int:
     reqs, factor = workload(args.requests, args.max_output, args.utilisation, args.cap)
     outs = [r.output_tokens for r in reqs]
     print(f"demo: {SOURCE} window 0, {len(reqs)} requests over {reqs[-1].arrival_s:.1f} s "
-          f"(load factor {factor:.2f}, {args.utilisation:.0%} of a {args.cap}-request engine), "
+          f"(load factor {factor:.2f}, {args.utilisation:.0%} of the engine's "
+          f"{'peak' if args.cap is None else f'{args.cap}-request'} token rate), "
           f"outputs {min(outs)}-{max(outs)} tokens (mean {sum(outs) / len(outs):.0f}); "
           f"emulated backend {PROFILE} at time scale {args.time_scale}", flush=True)  # fmt: skip
     results: dict[str, list[ReplayResult]] = {}
@@ -170,7 +178,7 @@ def main(argv: list[str], prog: str = "sagesched demo") -> int:
             port = free_port()
             capture = args.capture / policy if args.capture else None
             cfg = gateway_config(work / f"{policy}.yaml", port, emu, policy, args.cap, warm,
-                                 capture=capture)  # fmt: skip
+                                 adaptive=args.cap is None, capture=capture)  # fmt: skip
             t0 = time.monotonic()
             # one torch thread: the embedder must leave a core to the backend and the client
             gw = ch.start(f"gateway-{policy}", sagesched("serve", "--config", str(cfg)),
@@ -180,7 +188,7 @@ def main(argv: list[str], prog: str = "sagesched demo") -> int:
             ch.stop(gw)
     summaries = {p: summarize_replay(rs) for p, rs in results.items()}
     title = (f"{SOURCE} window 0, {len(reqs)} requests, {PROFILE} emulator, "
-             f"gateway cap {args.cap}")  # fmt: skip
+             f"gateway cap {args.cap or 'self-tuning'}")  # fmt: skip
     plot(results, Path(args.png), title)
     if args.json:
         print(json.dumps(summaries, indent=1))
