@@ -74,6 +74,8 @@ class GatewayState:
 STATE = web.AppKey("sagesched_state", GatewayState)
 CONFIG = web.AppKey("sagesched_config", GatewayConfig)
 PREDICTOR = web.AppKey("sagesched_predictor", object)
+TICKET = web.RequestKey("sagesched_ticket", Ticket)
+"""A generating request's ticket, once its job exists (the capture reads its embedding)."""
 
 
 def render(error: GatewayError) -> web.Response:
@@ -158,12 +160,13 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         if saver is not None:
             saver.cancel()
+        # predictor work first: a capture record waiting for its prompt's embedding gets it
+        await asyncio.gather(*state.background, return_exceptions=True)
         if writer is not None:  # after the last request settled: flushes what is queued
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
         await pool.stop()
-        await asyncio.gather(*state.background, return_exceptions=True)
         await _stop_predictor(app, state)
         await session.close()
 
@@ -209,7 +212,7 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
         finally:
             state.metrics.settle(trace)
             if state.capture is not None:
-                state.capture.offer(trace)
+                state.capture.offer(trace, request.get(TICKET))
 
     return handler
 
@@ -231,6 +234,7 @@ async def _serve(
         raise ModelNotFound(f"the model '{call.model}' does not exist", param="model")
     trace.model = call.model
     job = state.dispatcher.new_job(call, trace, None)
+    request[TICKET] = job.ctx  # the capture reads the prompt's embedding from it
     counting = _start_count(state, job)
     try:
         await _predict(state, job, call.text_body)

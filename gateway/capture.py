@@ -6,6 +6,13 @@ status, backend and policy. Never the prompt or the answer text. The file format
 `loadgen.traces.capture` reads (source `capture`), so `sagesched traces`, `sagesched study
 --trace` and `sagesched replay` take a capture as they take a public trace.
 
+With `CaptureSettings.embeddings` (opt-in: an embedding can leak what the prompt said), a
+record also carries the prompt's embedding as the predictor made it for scheduling (kept on the
+job's `Ticket`; never a second forward pass), int8-quantised with one scale and base64-encoded
+(`encode_embedding`; 384 dimensions → 512 characters). A request the predictor never embedded
+(no predictor, rejected before the prediction, prediction shed) has none. When the prediction
+still runs beside a request that already finished, its record waits for it (`offer`).
+
 Bounded in every direction: records wait in a queue of `CaptureSettings.queue` (a full queue
 drops the record and counts it, `sagesched_capture_records_total{result="dropped"}`); files
 rotate at `max_file_mb` and only the newest `max_files` are kept. Writing happens in a worker
@@ -15,7 +22,9 @@ thread, in batches, so the event loop never waits on the disk.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -23,7 +32,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gateway.config import CaptureSettings
+from gateway.dispatcher import Ticket
 from gateway.metrics import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -54,6 +66,25 @@ def record_of(trace: RequestTrace, now_wall: float, now_mono: float) -> dict[str
     }
 
 
+def encode_embedding(vector: Any) -> dict[str, Any] | None:
+    """A float vector as `{"int8": base64 of int8 values, "scale": float}`: value i is
+    `int8[i] * scale`, within `scale / 2` of the original (scale = max |x| / 127). None for a
+    vector with a non-finite value. Read back by `loadgen.traces.capture.decode_embedding`."""
+    v = np.asarray(vector, dtype=np.float64).ravel()
+    peak = float(np.max(np.abs(v))) if v.size else 0.0
+    if not np.isfinite(peak):
+        return None
+    scale = peak / 127.0
+    q = np.zeros(v.size, np.int8) if scale == 0.0 else np.rint(v / scale).astype(np.int8)
+    return {"int8": base64.b64encode(q.tobytes()).decode("ascii"), "scale": scale}
+
+
+def _with_embedding(record: dict[str, Any], vector: Any) -> dict[str, Any]:
+    if vector is not None and (encoded := encode_embedding(vector)) is not None:
+        record["embedding"] = encoded
+    return record
+
+
 class CaptureWriter:
     """Queue → rotating JSONL files. `offer` from the event loop; `run` as a task."""
 
@@ -67,11 +98,37 @@ class CaptureWriter:
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(settings.queue)
         self._path: Path | None = None
         self._seq = 0
+        # records waiting for their prompt's embedding; bounded by the gateway's bound on
+        # predictor work running beside requests (`app.MAX_PENDING_OBSERVATIONS`)
+        self._waiting: dict[int, dict[str, Any]] = {}
+        self._ids = itertools.count()
 
-    def offer(self, trace: RequestTrace) -> None:
-        """Queue the record of a settled request; drop it (counted) if the queue is full."""
+    def offer(self, trace: RequestTrace, ticket: Ticket | None = None) -> None:
+        """Queue the record of a settled request; drop it (counted) if the queue is full.
+
+        With embeddings on and the request's `ticket`, the record carries the prompt's
+        embedding; if the prediction still runs beside the request (`ticket.refining`), the
+        record is queued when it ends (or, if the writer stops first, written without it)."""
+        record = record_of(trace, time.time(), time.monotonic())
+        if ticket is None or not self.settings.embeddings:
+            self._put(record)
+            return
+        pending = ticket.refining
+        if pending is None or pending.done():
+            self._put(_with_embedding(record, ticket.prompt_vector))
+            return
+        key = next(self._ids)
+        self._waiting[key] = record
+        pending.add_done_callback(lambda _: self._embedded(key, ticket))
+
+    def _embedded(self, key: int, ticket: Ticket) -> None:
+        record = self._waiting.pop(key, None)
+        if record is not None:  # None: the writer stopped and wrote it without
+            self._put(_with_embedding(record, ticket.prompt_vector))
+
+    def _put(self, record: dict[str, Any]) -> None:
         try:
-            self._queue.put_nowait(record_of(trace, time.time(), time.monotonic()))
+            self._queue.put_nowait(record)
         except asyncio.QueueFull:
             self._count("dropped")
 
@@ -94,6 +151,8 @@ class CaptureWriter:
             rest = []
             while not self._queue.empty():
                 rest.append(self._queue.get_nowait())
+            rest.extend(self._waiting.values())  # their predictions never ended
+            self._waiting.clear()
             if rest:
                 self._write(rest)
             raise

@@ -44,6 +44,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--predictor-snapshot", help="load/save the predictor history here")
     p.add_argument("--capture", metavar="DIR",
                    help="record every request's counts and times (never text) to DIR")  # fmt: skip
+    p.add_argument("--capture-embeddings", action="store_true",
+                   help="with --capture: also the prompts' embeddings (sensitive)")  # fmt: skip
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     return p
 
@@ -77,8 +79,10 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         ]
     if args.adaptive_cap is not None:
         out["adaptive_cap"] = {"enabled": args.adaptive_cap}
+    if args.capture_embeddings and not args.capture:
+        raise ConfigError("--capture-embeddings needs --capture DIR")
     if args.capture:
-        out["capture"] = {"dir": args.capture}
+        out["capture"] = {"dir": args.capture, "embeddings": bool(args.capture_embeddings)}
     if args.predictor_snapshot:
         out["predictor"] = {"snapshot_path": args.predictor_snapshot}
     return out

@@ -87,6 +87,9 @@ class CaptureSettings:
     """Only the newest files are kept (bounded disk use: max_files × max_file_mb)."""
     queue: int = 10_000
     """Records waiting for the writer; beyond it a record is dropped and counted."""
+    embeddings: bool = False
+    """Also record each prompt's embedding as the predictor made it (int8, base64). Sensitive:
+    an embedding can leak what the prompt said. Off by default."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ sagesched replay --target http://127.0.0.1:8080 --source lssp-azure2024 --window
 sagesched replay --target URL --dataset sample --num-prompts 200 --request-rate 20
 sagesched compare --target fcfs=http://gw-a:8080 --target sagesched=http://gw-b:8080 \
     --source lssp-azure2024 --windows 1 --region KNEE
+sagesched replay --target URL --source capture --path CAPTURE_DIR --windows whole \
+    --factor 1 --prompts nearest
 ```
 """
 
@@ -17,22 +19,32 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from loadgen.regions import REGIONS, compress
 from loadgen.replay.client import ReplayRequest, ReplayResult, replay
 from loadgen.replay.prompts import build_requests, dataset_requests, http_json, tokenize_counter
 from loadgen.replay.report import comparison, failures, parse_slos, summarize_replay, table
+from loadgen.schema import TraceRequest, Window
+
+if TYPE_CHECKING:
+    from loadgen.replay.nearest import NearestPrompts, Vectors
+
+    Nearest = tuple[list[Vectors | None], NearestPrompts]
 
 T = TypeVar("T")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags shared by replay, compare and the validation script."""
-    p.add_argument("--source", help="trace source (see `sagesched traces`)")
-    p.add_argument("--windows", default="1", help="'all', a count N (first N) or ids a,b")
+    p.add_argument("--source", help="trace source (see `sagesched traces`), e.g. capture")
+    p.add_argument("--path", type=Path,
+                   help="the source's file or folder (capture: a file or folder)")  # fmt: skip
+    p.add_argument("--windows", default="1",
+                   help="'all', a count N (first N), ids a,b, 'whole' (one window)")  # fmt: skip
+    p.add_argument("--window-requests", type=int, default=200, help="requests per window")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--region", choices=list(REGIONS), help="multiple of each window's knee")
     load.add_argument("--factor", type=float, help="explicit time-compression factor")
@@ -44,7 +56,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=10.0, help="with --dataset (req/s)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
     p.add_argument("--prompts", default="ids",
-                   help="ids | text (exact via /tokenize) | sample | PATH.jsonl")  # fmt: skip
+                   help="ids | text (exact via /tokenize) | sample | PATH.jsonl | nearest "
+                   "(a capture's embeddings' nearest shipped prompts)")  # fmt: skip
     p.add_argument("--pad-prompts", action="store_true",
                    help="pad real prompts to the trace's length (needs /tokenize)")  # fmt: skip
     p.add_argument("--max-output", type=int, help="cap output lengths (tokens)")
@@ -75,19 +88,52 @@ def workloads(
     out = []
     wants_count = args.prompts == "text" or args.pad_prompts
     counter = tokenize_counter(count_url, model) if wants_count and count_url else None
-    for w in _windows(args.source, args.windows):
+    nearest = _nearest(args) if args.prompts == "nearest" else None
+    for w in _windows(args.source, args.windows, args.path, args.window_requests):
         trace = list(w.requests[: args.first] if args.first else w.requests)
         if args.max_prompt:
             trace = [dataclasses.replace(r, prompt_tokens=min(r.prompt_tokens, args.max_prompt))
                      for r in trace]  # fmt: skip
         factor = _factor(w, args) * args.rate_scale
-        reqs = build_requests(compress(trace, factor), prompts=args.prompts, seed=args.seed,
-                              count_tokens=counter, max_output=args.max_output,
-                              pad=args.pad_prompts)  # fmt: skip
-        out.append((f"{w.source}/{w.window_id}@x{factor:.3g}", reqs))
+        label = f"{w.source}/{w.window_id}@x{factor:.3g}"
+        if nearest is None:
+            reqs = build_requests(compress(trace, factor), prompts=args.prompts, seed=args.seed,
+                                  count_tokens=counter, max_output=args.max_output,
+                                  pad=args.pad_prompts)  # fmt: skip
+        else:
+            reqs = _nearest_requests(w, compress(trace, factor), nearest, args, counter, label)
+        out.append((label, reqs))
     if not out:
         raise ValueError(f"no windows selected from {args.source}")
     return out
+
+
+def _nearest(args: argparse.Namespace) -> Nearest:
+    """A capture's embeddings (in `read_capture` order) and the shipped prompts to match."""
+    if args.source != "capture" or args.path is None:
+        raise ValueError("--prompts nearest needs --source capture --path FILE_OR_DIR")
+    from loadgen.replay.nearest import shipped_prompts
+    from loadgen.traces.capture import capture_embeddings
+
+    return capture_embeddings(args.path), shipped_prompts()
+
+
+def _nearest_requests(
+    window: Window, trace: list[TraceRequest], nearest: Nearest,
+    args: argparse.Namespace, counter: Callable[[str], int] | None, label: str,
+) -> list[ReplayRequest]:  # fmt: skip
+    """The window's requests with the nearest shipped prompts; says how many fell back."""
+    from loadgen.replay.nearest import nearest_requests
+
+    embeddings, prompts = nearest
+    start = int(window.meta.get("start_index", 0))
+    reqs, fell_back = nearest_requests(
+        trace, embeddings[start : start + len(trace)], prompts, seed=args.seed,
+        count_tokens=counter, max_output=args.max_output, pad=args.pad_prompts,
+    )  # fmt: skip
+    print(f"{label}: {len(reqs) - fell_back} nearest shipped prompts, {fell_back} synthetic "
+          "(no recorded embedding)", file=sys.stderr)  # fmt: skip
+    return reqs
 
 
 def served_model(url: str) -> str:

@@ -1,6 +1,6 @@
 """What the replay sends: prompts with known token counts and the output lengths to enforce.
 
-Three prompt kinds, all with the trace's output length enforced by `max_tokens` + `ignore_eos`:
+Four prompt kinds, all with the trace's output length enforced by `max_tokens` + `ignore_eos`:
 
 - **token ids** (`ids`): seeded random token ids, exact prompt length on any vLLM-compatible
   server, no prefix-cache hits; the gateway sees only the size.
@@ -11,6 +11,9 @@ Three prompt kinds, all with the trace's output length enforced by `max_tokens` 
   the prompt whose recorded answer length is closest to the trace's output length, so the
   gateway's semantic predictor sees real text. `sample` is the frozen ShareGPT sample shipped
   in `loadgen/data/prompts/` (see its PROVENANCE.md).
+- **nearest shipped prompts** (`nearest`, a capture with embeddings only): each request gets
+  the shipped prompt nearest to its recorded prompt embedding (`loadgen.replay.nearest`;
+  `row_requests` builds them, token ids where a request has no embedding).
 
 Arrivals come from a trace window (`loadgen.traces` + `loadgen.regions`), or, for a prompt
 dataset alone, from a Poisson (burstiness 1) or gamma process at a given rate.
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadgen.replay.client import ReplayRequest
+from loadgen.replay.client import Prompt, ReplayRequest
 from loadgen.schema import TraceRequest
 
 SAMPLE_PATH = Path(__file__).resolve().parent.parent / "data" / "prompts" / "sharegpt-400.jsonl.gz"
@@ -178,21 +181,40 @@ def build_requests(
             reqs.append(ReplayRequest(r.arrival_s, body, r.prompt_tokens, o, r.deadline_s))
         return reqs
     rows = match_prompts(outs, load_prompt_rows(prompts), seed)
-    if pad and count_tokens is not None:
-        out = []
-        for r, o, row in zip(trace, outs, rows, strict=True):
+    return row_requests(trace, rows, seed=seed, count_tokens=count_tokens,
+                        max_output=max_output, pad=pad)  # fmt: skip
+
+
+def row_requests(
+    trace: Sequence[TraceRequest],
+    rows: Sequence[PromptRow | None],
+    *,
+    seed: int = 0,
+    count_tokens: Callable[[str], int] | None = None,
+    max_output: int | None = None,
+    pad: bool = False,
+) -> list[ReplayRequest]:
+    """Replay requests sending `rows[i]`'s prompt for `trace[i]` (arrival, deadline and
+    output length of the trace; output capped at `max_output`). With `pad` and
+    `count_tokens`, a prompt shorter than the trace's is padded with filler words to the
+    trace's exact length. Where `rows[i]` is None: seeded token ids of the trace's length."""
+    rng = random.Random(seed)
+    out = []
+    for r, row in zip(trace, rows, strict=True):
+        o = r.output_tokens if max_output is None else min(r.output_tokens, max_output)
+        body: Prompt
+        if row is None:
+            body, size = token_ids(r.prompt_tokens, rng), r.prompt_tokens
+        elif pad and count_tokens is not None:
             padded = exact_text(r.prompt_tokens, count_tokens, prefix=row.prompt)
             if padded is None:  # the real prompt alone is longer: send it as it is
-                out.append(ReplayRequest(r.arrival_s, row.prompt, count_tokens(row.prompt), o,
-                                         r.deadline_s))  # fmt: skip
+                body, size = row.prompt, count_tokens(row.prompt)
             else:
-                out.append(ReplayRequest(r.arrival_s, padded, r.prompt_tokens, o, r.deadline_s))
-        return out
-    return [
-        ReplayRequest(r.arrival_s, row.prompt, row.prompt_tokens or r.prompt_tokens, o,
-                      r.deadline_s)
-        for r, o, row in zip(trace, outs, rows, strict=True)
-    ]  # fmt: skip
+                body, size = padded, r.prompt_tokens
+        else:
+            body, size = row.prompt, row.prompt_tokens or r.prompt_tokens
+        out.append(ReplayRequest(r.arrival_s, body, size, o, r.deadline_s))
+    return out
 
 
 def dataset_requests(

@@ -7,6 +7,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from loadgen.engine.profiles import make_profile, profile_names
 from loadgen.metrics import summarize
@@ -56,10 +57,20 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def _windows(source: str, spec: str) -> list[Window]:
-    from loadgen.traces import load_windows
+def _windows(
+    source: str, spec: str, path: Path | None = None, n_requests: int = 200
+) -> list[Window]:
+    """The windows of `source` (its file at `path` for sources that need one) that `spec`
+    selects: 'all', a count N (the first N), ids a,b, or 'whole' (every request of the trace
+    as one window, e.g. a short capture)."""
+    from loadgen.traces import load_requests, load_windows
+    from loadgen.traces.windows import rebase
 
-    windows = load_windows(source)
+    if spec == "whole":
+        requests = load_requests(source, path)
+        meta = {"start_index": 0}
+        return [Window(source, f"{source}_whole", rebase(requests), meta)] if requests else []
+    windows = load_windows(source, n_requests=n_requests, path=path)
     if spec == "all":
         return windows
     if spec.isdigit():

@@ -6,14 +6,24 @@ becomes a `TraceRequest` on the wall clock (arrival in epoch seconds; windows re
 with the backend's prompt and output token counts and the served model as the tenant.
 Requests that did not complete (rejected, failed, cancelled) carry no true output length and
 are left out; `capture_summary` counts them.
+
+A capture made with `capture.embeddings` on also holds each embedded prompt's MiniLM vector
+(`{"int8": base64, "scale": s}`, written by `gateway.capture.encode_embedding`);
+`decode_embedding` turns one back into floats and `capture_embeddings` lists them in the order
+of `read_capture` (None where a record has none; nothing here requires them).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
 
 from loadgen.schema import TraceRequest
 from loadgen.traces.base import TraceFileSource
@@ -55,8 +65,40 @@ def read_capture(path: Path, source: str) -> list[TraceRequest]:
     return _completed(read_records(path), source)
 
 
+def capture_embeddings(path: Path) -> list[NDArray[np.float32] | None]:
+    """The prompt embedding of each request of `read_capture(path)`, in the same order
+    (None where the record has none)."""
+    return [decode_embedding(r) for r in _completed_records(read_records(path))]
+
+
+def decode_embedding(record: dict[str, Any]) -> NDArray[np.float32] | None:
+    """The record's prompt embedding as float32 (each value within `scale / 2` of the one
+    the gateway's predictor computed), or None if it has none."""
+    enc = record.get("embedding")
+    if enc is None:
+        return None
+    try:
+        q = np.frombuffer(base64.b64decode(enc["int8"], validate=True), dtype=np.int8)
+        return (q.astype(np.float32) * np.float32(enc["scale"])).astype(np.float32)
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise ValueError(f"not a capture embedding: {str(enc)[:80]}") from exc
+
+
+def _completed_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of completed requests with both counts, in arrival order (stable)."""
+    done = [
+        r
+        for r in records
+        if r.get("outcome") == "completed"
+        and r.get("prompt_tokens")
+        and int(r.get("output_tokens") or 0) > 0
+    ]
+    done.sort(key=lambda r: float(r["arrival_s"]))
+    return done
+
+
 def _completed(records: list[dict[str, Any]], source: str) -> list[TraceRequest]:
-    requests = [
+    return [
         TraceRequest(
             arrival_s=float(r["arrival_s"]),
             prompt_tokens=int(r["prompt_tokens"]),
@@ -64,13 +106,8 @@ def _completed(records: list[dict[str, Any]], source: str) -> list[TraceRequest]
             source=source,
             tenant=r.get("model"),
         )
-        for r in records
-        if r.get("outcome") == "completed"
-        and r.get("prompt_tokens")
-        and int(r.get("output_tokens") or 0) > 0
+        for r in _completed_records(records)
     ]
-    requests.sort(key=lambda q: q.arrival_s)
-    return requests
 
 
 def capture_summary(path: Path) -> dict[str, Any]:
@@ -88,6 +125,7 @@ def capture_summary(path: Path) -> dict[str, Any]:
         "span_s": span,
         "rate_per_s": (len(records) - 1) / span if span > 0 else None,
         "completed_requests": len(done),
+        "with_embedding": sum(1 for r in records if r.get("embedding") is not None),
     }
     if done:
         summary["prompt_tokens_mean"] = sum(r.prompt_tokens for r in done) / len(done)
