@@ -151,6 +151,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     writer: asyncio.Task[None] | None = None
     if config.capture.dir is not None:
         state.capture = CaptureWriter(config.capture, metrics.count_capture)
+        if config.capture.embeddings and predictor is None:
+            log.warning("capture.embeddings is on but the predictor is off: no embeddings")
         writer = asyncio.create_task(state.capture.run())
     app[STATE] = state
     await pool.start()
