@@ -26,7 +26,6 @@ from gateway.errors import QueueFull, QueueTimeout, UpstreamFailed
 from gateway.metrics import GatewayMetrics, RequestTrace
 from gateway.openai_api import Call
 from policies import Job, LengthDist, Policy, Scheduler
-from policies.capacity import priority_level
 
 
 @dataclass(eq=False)
@@ -243,7 +242,7 @@ class Dispatcher:
         if self._config.forward_priority and backend.config.priority_scheduling:
             # the key itself, not a rank among the jobs running now: vLLM compares it with
             # jobs granted earlier and later, and a rank means nothing across grants
-            ticket.priority = priority_level(sched.running_key(job, self._clock())[0])
+            ticket.priority = sched.engine_priority(job, self._clock())
         assert ticket.future is not None and not ticket.future.done()
         ticket.future.set_result(backend)
 

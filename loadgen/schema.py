@@ -30,6 +30,9 @@ class TraceRequest:
     """A frozen prediction shipped with the trace (LSSP windows), if any."""
     deadline_s: float | None = None
     """Absolute SLO deadline for the last token, on the same clock as `arrival_s`."""
+    priority: int = 0
+    """Priority class (vLLM's convention, lower first; the `bands` policy's band). Traces
+    carry none: 0, unless a workload assigns classes (`bench/classes.py`)."""
 
 
 @dataclass(frozen=True, slots=True)

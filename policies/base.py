@@ -16,8 +16,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar, Self
 
+from policies.capacity import priority_level
 from policies.cost import LinearProfile
 from policies.job import Job
+from policies.queue import PolicyQueue, WaitingQueue
 
 Key = tuple[float, ...]
 """A sort key: lower is served first. The queue breaks ties on (arrival, id)."""
@@ -94,6 +96,19 @@ class Policy(abc.ABC):
         every job in the engine, the victim included; `n_waiting` queued, `waiting` included):
         is the expected saving worth the preemption's cost? Default: yes, keys decide."""
         return True
+
+    def engine_priority(self, key: Key) -> int:
+        """vLLM's integer priority (lower first) for a job dispatched under `key`: the primary
+        component quantised on a log scale (`policies.capacity.priority_level`). A policy whose
+        primary component is not a magnitude (the bands of `policies.catalog.bands`) says how
+        its keys map instead."""
+        return priority_level(key[0])
+
+    def make_queue(self) -> WaitingQueue:
+        """The structure that holds this policy's waiting jobs for one run (the `Scheduler`
+        asks once, after `fresh()`). Default: one `PolicyQueue` ordered by `key`; a composite
+        policy returns its own (bands of tenant flows, `policies.bands.BandQueue`)."""
+        return PolicyQueue(self)
 
     def on_engine(self, cost: LinearProfile) -> Self:
         """This policy on an engine whose per-request cost `cost` describes (the simulator

@@ -24,7 +24,7 @@ from __future__ import annotations
 from policies.base import Key, Policy
 from policies.cost import LinearProfile
 from policies.job import Job
-from policies.queue import PolicyQueue
+from policies.queue import WaitingQueue
 
 
 class Scheduler:
@@ -36,7 +36,7 @@ class Scheduler:
         """`cost`: what a request costs the engine behind this scheduler, when known (the
         simulator's latency profile; the gateway's configured profile)."""
         self.policy = (policy if cost is None else policy.on_engine(cost)).fresh()
-        self.queue = PolicyQueue(self.policy)
+        self.queue: WaitingQueue = self.policy.make_queue()
         self.running: dict[int, Job] = {}
         self._review_at: dict[int, int | None] = {}  # running id -> next review (tokens)
 
@@ -100,14 +100,20 @@ class Scheduler:
             raise KeyError(f"job {job.id} is not running")
         return self.policy.key(job, now)
 
+    def engine_priority(self, job: Job, now: float) -> int:
+        """The integer priority to send the engine with a running job (vLLM's, lower first):
+        its key at `now`, as the policy maps keys to priorities (`Policy.engine_priority`)."""
+        return self.policy.engine_priority(self.running_key(job, now))
+
     def preemption_victim(self, now: float, margin: float = 0.0) -> Job | None:
         """The running job the best waiting one should displace, or None.
 
         Only preemptive policies preempt, and only jobs the policy lets go (`can_be_preempted`).
         The waiting job must beat the worst running key, computed at `now` and the job's
-        current attained service (one `policy.key` per candidate); with `margin` > 0 its
-        primary key must be lower by that fraction of the victim's (hysteresis against
-        flapping); and the policy must find that the swap pays (`preemption_pays`).
+        current attained service (one `policy.key` per candidate); with `margin` > 0 its key
+        must be lower by that fraction of the victim's in the first component where the two
+        differ (hysteresis against flapping; a composite key's leading parts, such as a band,
+        are often equal); and the policy must find that the swap pays (`preemption_pays`).
         """
         if not self.policy.preemptive or not self.running:
             return None
@@ -124,7 +130,7 @@ class Scheduler:
         )
         if not best_key < worst_key:
             return None
-        if margin > 0 and best_key[0] > worst_key[0] - margin * abs(worst_key[0]):
+        if margin > 0 and not _beats_by(best_key, worst_key, margin):
             return None
         running = list(self.running.values())
         if not self.policy.preemption_pays(best, victim, running, len(self.queue)):
@@ -134,3 +140,11 @@ class Scheduler:
     def _stop(self, job: Job) -> None:
         del self.running[job.id]
         self._review_at.pop(job.id, None)
+
+
+def _beats_by(better: Key, worse: Key, margin: float) -> bool:
+    """Is `better` lower than `worse` by `margin` × |worse| in their first differing part?"""
+    for b, w in zip(better, worse, strict=False):
+        if b != w:
+            return b <= w - margin * abs(w)
+    return False

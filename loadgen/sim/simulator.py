@@ -25,7 +25,7 @@ from loadgen.engine.profiles import LatencyProfile, make_profile
 from loadgen.metrics import DEADLINE_EPS_S, RequestRecord
 from loadgen.schema import TraceRequest
 from policies.base import Policy
-from policies.capacity import CapController, CapLaw, EngineSample, priority_level
+from policies.capacity import CapController, CapLaw, EngineSample
 from policies.dist import LengthDist
 from policies.job import Job
 from policies.registry import parse_policy, policy_names
@@ -53,7 +53,7 @@ class Contender:
     sampling the engine model's queue, KV use and token counter every `interval_s`."""
     forward_priority: bool = False
     """Send each request to the engine with its policy key at dispatch quantised to vLLM's
-    integer priority (`priority_level`); matters on an engine with priority scheduling."""
+    integer priority (`Policy.engine_priority`); matters on an engine with priority scheduling."""
 
 
 def contender_names() -> list[str]:
@@ -112,7 +112,7 @@ def _jobs(
     for i, r in enumerate(requests):
         out = max(1, r.output_tokens)
         pred = float(r.predicted_output_tokens or out)
-        job = Job(i, r.arrival_s, r.prompt_tokens, deadline_s=r.deadline_s)
+        job = Job(i, r.arrival_s, r.prompt_tokens, deadline_s=r.deadline_s, priority=r.priority)
         job.tenant = r.tenant or job.tenant
         if policy.needs_prediction:
             job.dist = belief(pred, sigma) if beliefs is None else beliefs[i]
@@ -239,7 +239,7 @@ class _Run:
         job = self.sched.dispatch(t)
         if job is not None:
             if self.c.forward_priority:
-                job.ctx.priority = priority_level(self.sched.running_key(job, t)[0])
+                job.ctx.priority = self.sched.engine_priority(job, t)
             self.engine.add(job.ctx)
 
     def _sync(self, t: float) -> None:

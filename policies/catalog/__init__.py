@@ -6,6 +6,7 @@ registry with no other change.
 """
 
 from policies.catalog import (
+    bands,
     deadline,
     est_first,
     fastserve,
@@ -20,6 +21,7 @@ from policies.catalog import (
 )
 
 __all__ = [
+    "bands",
     "deadline",
     "est_first",
     "fastserve",
