@@ -123,13 +123,24 @@ def plan(
 
 @dataclasses.dataclass(slots=True)
 class Standing:
-    """One policy at one load point of the capture (metric oriented back: raw values)."""
+    """One policy at one load point of the capture (values in their own units)."""
 
     policy: str
     anwg: stats.Estimate
     latency_s: stats.Estimate
-    tied_with_best: bool
+    tied_anwg: bool
     """The paired bootstrap CI of (best − this) on ANWG includes 0."""
+    tied_latency: bool
+    """The same against the policy with the lowest mean latency."""
+
+
+def _ties(boot: np.ndarray, best: int) -> np.ndarray:
+    """Per policy: whether the paired CI of (best − it) includes 0 (oriented values)."""
+    diff = boot[:, [best]] - boot
+    with np.errstate(invalid="ignore"):
+        lo = np.nanpercentile(diff, 2.5, axis=0)
+    out: np.ndarray = ~(lo > 0)
+    return out
 
 
 def standings(grid: analysis.Grid, region: str, *, n_boot: int = stats.N_BOOT) -> list[Standing]:
@@ -140,30 +151,21 @@ def standings(grid: analysis.Grid, region: str, *, n_boot: int = stats.N_BOOT) -
     idx = stats.boot_indices(anwg.shape[0], n_boot, rng)
     boot_a = stats.boot_means(anwg, idx)
     boot_l = stats.boot_means(lat, idx)
-    means_a = stats.policy_means(anwg)
-    means_l = stats.policy_means(lat)
-    order = sorted(
-        range(len(grid.policies)),
-        key=lambda j: (
-            -np.nan_to_num(means_a[j], nan=-math.inf),
-            -np.nan_to_num(means_l[j], nan=-math.inf),
-        ),
-    )
-    best = order[0]
-    out = []
-    for j in order:
-        diff = boot_a[:, best] - boot_a[:, j]
-        diff = diff[~np.isnan(diff)]
-        lo = float(np.percentile(diff, 2.5)) if diff.size else math.nan
-        out.append(
-            Standing(
-                grid.policies[j],
-                _estimate(means_a[j], boot_a[:, j]),
-                _estimate(-means_l[j], -boot_l[:, j]),
-                j == best or not lo > 0,
-            )
+    means_a = np.nan_to_num(stats.policy_means(anwg), nan=-math.inf)
+    means_l = np.nan_to_num(stats.policy_means(lat), nan=-math.inf)
+    order = sorted(range(len(grid.policies)), key=lambda j: (-means_a[j], -means_l[j]))
+    tied_a = _ties(boot_a, order[0])
+    tied_l = _ties(boot_l, int(np.argmax(means_l)))
+    return [
+        Standing(
+            grid.policies[j],
+            _estimate(means_a[j], boot_a[:, j]),
+            _estimate(-means_l[j], -boot_l[:, j]),
+            bool(tied_a[j]),
+            bool(tied_l[j]),
         )
-    return out
+        for j in order
+    ]
 
 
 def _estimate(value: float, samples: np.ndarray) -> stats.Estimate:
@@ -274,8 +276,11 @@ def run_whatif(
         "measured_utilisation": measured_utilisation(captured, profile),
         "nearest_region": nearest_region(load),
         "recommended": at_load[0].policy,
-        "tied_with_recommended": [s.policy for s in at_load[1:] if s.tied_with_best],
-        "best_mean_latency": min(at_load, key=lambda s: s.latency_s.value).policy,
+        "tied_with_recommended": [s.policy for s in at_load[1:] if s.tied_anwg],
+        "best_mean_latency": (fastest := min(at_load, key=lambda s: s.latency_s.value)).policy,
+        "tied_with_best_latency": [
+            s.policy for s in at_load if s.tied_latency and s is not fastest
+        ],
         "ranking": {
             r: [s.policy for s in st] for r, st in (*by_region.items(), (MEASURED, at_load))
         },
@@ -290,11 +295,12 @@ def run_whatif(
 
 
 def _standing_table(st: Sequence[Standing]) -> list[str]:
-    lines = ["| rank | policy | ANWG [95% CI] | mean latency s [95% CI] | tied with best |"]
-    lines.append("|---|---|---|---|---|")
+    lines = ["| rank | policy | ANWG [95% CI] | tied | mean latency s [95% CI] | tied |"]
+    lines.append("|---|---|---|---|---|---|")
     for k, s in enumerate(st, 1):
-        tie = "best" if k == 1 else ("yes" if s.tied_with_best else "")
-        lines.append(f"| {k} | {s.policy} | {s.anwg.fmt()} | {s.latency_s.fmt(2)} | {tie} |")
+        ta = "best" if k == 1 else ("yes" if s.tied_anwg else "")
+        tl = "yes" if s.tied_latency else ""
+        lines.append(f"| {k} | {s.policy} | {s.anwg.fmt()} | {ta} | {s.latency_s.fmt(2)} | {tl} |")
     return lines
 
 
@@ -308,6 +314,7 @@ def _report(
     cap = summary["capture"]
     knees = summary["knees"]
     tied = summary["tied_with_recommended"]
+    tied_l = summary["tied_with_best_latency"]
     md = [
         "# What-if on your traffic (simulation)",
         "",
@@ -325,7 +332,9 @@ def _report(
         "Best by mean ANWG there: "
         f"**{summary['recommended']}**"
         + (f"; not significantly worse: {', '.join(tied)}" if tied else "")
-        + f". Lowest mean latency: **{summary['best_mean_latency']}**.",
+        + f". Lowest mean latency: **{summary['best_mean_latency']}**"
+        + (f"; not significantly slower: {', '.join(tied_l)}" if tied_l else "")
+        + ". (Ties: the paired 95% bootstrap interval of the difference includes 0.)",
         "",
         "### At your measured load",
         "",

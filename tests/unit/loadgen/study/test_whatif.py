@@ -109,6 +109,8 @@ def test_whatif_end_to_end_on_a_small_capture(tmp_path: Path) -> None:
     assert sorted(ranking[MEASURED]) == sorted(policies) == sorted(ranking["KNEE"])
     assert summary["recommended"] == ranking[MEASURED][0]
     assert set(summary["tied_with_recommended"]) <= set(policies) - {summary["recommended"]}
+    fastest = summary["best_mean_latency"]
+    assert set(summary["tied_with_best_latency"]) <= set(policies) - {fastest}
     assert set(summary["tau"]) == {f"KNEE|{s}" for s in whatif.SOURCES}
     assert all(-1.0 <= v[0] <= 1.0 for v in summary["tau"].values() if not math.isnan(v[0]))
     rows = read_rows(out / "whatif.csv.gz")
@@ -118,3 +120,11 @@ def test_whatif_end_to_end_on_a_small_capture(tmp_path: Path) -> None:
     assert f"**{summary['recommended']}**" in report
     for label in ("Azure", "Bailian", "BurstGPT", "## KNEE", "At your measured load"):
         assert label in report
+
+
+def test_ties_are_policies_whose_paired_interval_includes_zero() -> None:
+    rng = np.random.default_rng(1)
+    boot = np.column_stack(
+        [1.0 + rng.normal(0, 0.01, 500), 1.0 + rng.normal(0, 0.01, 500), 0.5 + np.zeros(500)]
+    )
+    assert whatif._ties(boot, 0).tolist() == [True, True, False]
