@@ -1,6 +1,6 @@
 """Your traffic, your ranking, end to end: a gateway in front of the emulator captures real
 requests, `sagesched study --mode lssp --trace` runs the what-if on that file and writes the
-report with its recommendation."""
+report with its recommendation, and `sagesched replay` sends the same capture again."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from fixtures.emulator_fixtures import StartEmulator
 
 from gateway.app import create_app
 from gateway.config import build
+from loadgen.replay.cli import main as replay_main
 from loadgen.study.cli import main as study_main
 from loadgen.study.grid import METRICS
 
@@ -52,8 +53,8 @@ async def capture_traffic(emu: str, folder: Path) -> list[int]:
         await runner.cleanup()  # stopping flushes the capture
 
 
-async def test_gateway_capture_feeds_the_whatif_study(
-    start_emulator: StartEmulator, tmp_path: Path
+async def test_gateway_capture_feeds_the_whatif_study_and_the_replay(
+    start_emulator: StartEmulator, tmp_path: Path, capsys: Any
 ) -> None:
     emu = await start_emulator(time_scale=0.05)
     statuses = await capture_traffic(emu, tmp_path / "cap")
@@ -76,3 +77,11 @@ async def test_gateway_capture_feeds_the_whatif_study(
     cells = 2 * 2 + 3  # capture windows x (KNEE, MEASURED) + one public window per source
     assert len(rows) == cells * len(POLICIES) * len(METRICS)
     assert f"**{summary['recommended']}**" in (out / "report.md").read_text()
+
+    # the same file replayed live, at twice the recorded pace
+    argv = ["--target", emu, "--source", "capture", "--path", str(tmp_path / "cap"),
+            "--windows", "whole", "--factor", "2", "--no-progress", "--json"]  # fmt: skip
+    capsys.readouterr()
+    assert await asyncio.to_thread(replay_main, argv) == 0
+    [replayed] = [v["summary"] for v in json.loads(capsys.readouterr().out).values()]
+    assert (replayed["successful"], replayed["failed"]) == (N, 0)
