@@ -28,10 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from loadgen.engine.configs import engine_config
 from loadgen.metrics import late_rate, summarize
 from loadgen.regions import REGIONS, compress, factor_for_utilisation, region_factor
 from loadgen.schema import Window
 from loadgen.sim.simulator import Contender, resolve, simulate
+from policies.capacity import CapLaw
+from policies.registry import parse_policy
 
 SOURCES: tuple[str, ...] = ("lssp-azure2024", "lssp-bailian", "lssp-burstgpt")
 SOURCE_LABELS: dict[str, str] = {
@@ -68,14 +71,18 @@ one policy twice. Neither has a published mechanism to copy (docs/simulator.md).
 HEADLINE_POLICIES: tuple[str, ...] = tuple(
     p for p in POLICIES if p not in ROBUSTNESS_ONLY and p not in ALIASES
 )
-GATEWAY_POLICIES: dict[str, tuple[str, int | None]] = {
-    "sagesched": ("sagesched", -1),
-    "trail": ("trail", -1),
-    "fastserve": ("fastserve", -1),
+GATEWAY_POLICIES: dict[str, str] = {
+    "gateway_fcfs": "fcfs",
+    "gateway_sagesched": "sagesched",
+    "gateway_trail": "trail",
 }
-"""This project's gateway policies that the paper's grid lacks, run only by the what-if on a
-capture (`loadgen.study.whatif`), beside the headline policies, with the log-normal belief
-(σ = 0.2) around each request's imputed prediction that the paper's predicted fields carry."""
+"""This project's gateway as shipped, which the paper's grid lacks (run only by the what-if on
+a capture, `loadgen.study.whatif`): the policy in front of vLLM with chunked prefill
+(`vllm-chunked-prefill`, i.e. `vllm_chunked_prefill_faithful` = vLLM alone) behind the
+self-tuning in-flight cap with its shipped defaults (`CapLaw()`, starting at 8), predictions
+the log-normal belief (σ = 0.2) around each request's imputed prediction."""
+GATEWAY_START_CAP = 8
+"""The gateway's default `max_inflight`, where its self-tuning cap starts."""
 MEASURED = "MEASURED"
 """The load point of a capture's own clock (arrival factor 1; SLO slack at the knee's
 tightness, as on the utilisation axis): the operator's measured load, which the what-if runs
@@ -158,7 +165,11 @@ def windows_of(source: str) -> tuple[Window, ...]:
 
 def contender(policy: str) -> Contender:
     """The contender that plays the paper's `policy` (or one of `GATEWAY_POLICIES`)."""
-    spec, cap = POLICIES[policy] if policy in POLICIES else GATEWAY_POLICIES[policy]
+    if policy in GATEWAY_POLICIES:
+        engine = engine_config("vllm-chunked-prefill")
+        spec = GATEWAY_POLICIES[policy]
+        return Contender(policy, parse_policy(spec), engine, GATEWAY_START_CAP, cap_law=CapLaw())
+    spec, cap = POLICIES[policy]
     return resolve(spec, inflight_cap=cap)
 
 

@@ -22,7 +22,7 @@ from loadgen.study.grid import METRICS
 
 MODEL = "tiny-llama"
 N = 40
-POLICIES = ("fifo", "sagesched", "vllm_faithful")
+POLICIES = ("fifo", "gateway_fcfs", "gateway_sagesched", "vllm_faithful")
 
 
 async def _send(s: aiohttp.ClientSession, url: str, i: int) -> int:

@@ -94,7 +94,7 @@ def test_agreement_is_perfect_for_the_same_ranking_and_finds_flips() -> None:
 
 def test_whatif_end_to_end_on_a_small_capture(tmp_path: Path) -> None:
     cap = write_capture(tmp_path / "cap", bailian_stream(2, speedup=200.0))
-    policies = ("fifo", "edf", "vllm_faithful", "sagesched")
+    policies = ("fifo", "edf", "vllm_faithful", "gateway_sagesched")
     out = tmp_path / "out"
     out.mkdir()
     summary = whatif.run_whatif(
