@@ -129,7 +129,7 @@ def plot(results: dict[str, list[ReplayResult]], path: Path, title: str) -> None
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="FCFS vs SageSched on an emulated backend.")
-    p.add_argument("--requests", type=int, default=150, help="first N requests of the window")
+    p.add_argument("--requests", type=int, default=200, help="first N requests of the window")
     p.add_argument("--max-output", type=int, default=256, help="output length cap (tokens)")
     p.add_argument(
         "--utilisation", type=float, default=1.6, help="offered work over the engine's peak rate"
