@@ -26,6 +26,7 @@ from aiohttp import web
 from gateway import passthrough as fwd
 from gateway.backends import BackendPool
 from gateway.capture import CaptureWriter
+from gateway.classes import CLASS_HEADER
 from gateway.config import GatewayConfig, as_dict
 from gateway.dispatcher import Dispatcher, Ticket
 from gateway.errors import (
@@ -230,12 +231,13 @@ async def _serve(
     state: GatewayState, request: web.Request, kind: Kind, trace: RequestTrace
 ) -> web.StreamResponse:
     _authorize(request, state.config.api_keys)
+    klass = state.dispatcher.classes.resolve(request.headers.get(CLASS_HEADER), _token(request))
     raw = await _read(state, request)
     call = parse_call(kind, parse_body(raw), request.headers.get(TENANT_HEADER))
     if not state.pool.serves(call.model):
         raise ModelNotFound(f"the model '{call.model}' does not exist", param="model")
     trace.model = call.model
-    job = state.dispatcher.new_job(call, trace, None)
+    job = state.dispatcher.new_job(call, trace, None, klass)
     request[TICKET] = job.ctx  # the capture reads the prompt's embedding from it
     counting = _start_count(state, job)
     try:
@@ -355,12 +357,13 @@ def _forget(state: GatewayState) -> Callable[[asyncio.Task[None]], None]:
     return done
 
 
-def _authorize(request: web.Request, keys: tuple[str, ...]) -> None:
-    if not keys:
-        return
+def _token(request: web.Request) -> str:
     header = request.headers.get("Authorization", "")
-    token = header[7:] if header.startswith("Bearer ") else ""
-    if token not in keys:
+    return header[7:] if header.startswith("Bearer ") else ""
+
+
+def _authorize(request: web.Request, keys: tuple[str, ...]) -> None:
+    if keys and _token(request) not in keys:
         raise Unauthorized("missing or invalid API key")
 
 

@@ -93,6 +93,75 @@ class CaptureSettings:
 
 
 @dataclass(frozen=True)
+class TrafficClass:
+    """One request class (`gateway.classes`): its band and what it is promised."""
+
+    name: str
+    """Named by the `x-sagesched-class` header, in metric labels and errors."""
+    priority: int = 1
+    """Band: the lowest priority with waiting requests is served first (vLLM's convention)."""
+    share: float = 0.0
+    """Fraction of the engine's work the band is guaranteed while it waits behind more urgent
+    bands (0: strict priority only; classes of one band must agree)."""
+    ttft_slo_s: float | None = None
+    """Time-to-first-token objective (seconds), judged per request in the metrics."""
+    ttlt_slo_s: float | None = None
+    """Time-to-last-token objective (seconds)."""
+    slo_target: float = 0.99
+    """Share of requests that must meet the objectives (the SLO-burn alerts' budget)."""
+    max_waiting: int | None = None
+    """Requests of this class waiting to start; 429 beyond (None: only the global bound)."""
+    queue_timeout_s: float | None = None
+    """Longest wait before 503 (None: the global `queue_timeout_s`)."""
+    sheddable: bool = False
+    """Refused first (429) when the gateway queue is full, and evicted to make room."""
+    api_keys: tuple[str, ...] = ()
+    """Client keys whose requests belong to this class (at most as urgent as it)."""
+
+
+DEFAULT_CLASSES = (
+    TrafficClass("interactive", priority=0, ttft_slo_s=2.0, max_waiting=2000, queue_timeout_s=60),
+    TrafficClass("standard", priority=1),
+    TrafficClass("batch", priority=2, share=0.05, ttlt_slo_s=3600.0, sheddable=True),
+)
+
+
+@dataclass(frozen=True)
+class ClassesSettings:
+    """Request classes: priority bands, tenant fairness and overload (`gateway.classes`)."""
+
+    default: str = "standard"
+    """Class of a request that names none and whose key maps to none."""
+    header: bool = True
+    """Honour the `x-sagesched-class` header (off: only `api_keys` mappings decide)."""
+    tenant_labels: int = 10
+    """Tenants named (hashed) in per-tenant metrics; the rest are `other`."""
+    list: tuple[TrafficClass, ...] = DEFAULT_CLASSES
+    """The classes; the default set is interactive (0), standard (1), batch (2)."""
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.list]
+        if not names or len(set(names)) != len(names) or not all(names):
+            raise ConfigError(f"classes.list needs unique, non-empty names, got {names}")
+        if self.default not in names:
+            raise ConfigError(f"classes.default {self.default!r} is not one of {names}")
+        shares: dict[int, float] = {}
+        for c in self.list:
+            if not 0.0 <= c.share < 1.0 or shares.setdefault(c.priority, c.share) != c.share:
+                raise ConfigError(f"classes.{c.name}.share: in [0, 1), one per priority")
+            if not 0.0 < c.slo_target < 1.0:
+                raise ConfigError(f"classes.{c.name}.slo_target must be in (0, 1)")
+            positive = (c.ttft_slo_s, c.ttlt_slo_s, c.queue_timeout_s, c.max_waiting)
+            if any(v is not None and v <= 0 for v in positive):
+                raise ConfigError(f"classes.{c.name}: SLOs, timeout and max_waiting must be > 0")
+        keys = [k for c in self.list for k in c.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ConfigError("classes: an API key maps to one class only")
+        if self.tenant_labels < 0:
+            raise ConfigError("classes.tenant_labels must be >= 0")
+
+
+@dataclass(frozen=True)
 class PredictorSettings:
     """The semantic length predictor in the gateway."""
 
@@ -152,6 +221,7 @@ class GatewayConfig:
     tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
     capture: CaptureSettings = field(default_factory=CaptureSettings)
     predictor: PredictorSettings = field(default_factory=PredictorSettings)
+    classes: ClassesSettings = field(default_factory=ClassesSettings)
     log_level: str = "INFO"
     """Python logging level."""
 
@@ -265,6 +335,8 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
     for b in data["backends"]:
         if b["api_key"]:
             b["api_key"] = "***"
+    for c in data["classes"]["list"]:
+        c["api_keys"] = ["***"] * len(c["api_keys"])
     return data
 
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.backends import Backend, BackendPool
-from gateway.config import GatewayConfig
-from gateway.errors import QueueFull, QueueTimeout, UpstreamFailed
+from gateway.classes import Admission, Classes
+from gateway.config import GatewayConfig, TrafficClass
+from gateway.errors import QueueTimeout, UpstreamFailed
 from gateway.metrics import GatewayMetrics, RequestTrace
 from gateway.openai_api import Call
 from policies import Job, LengthDist, Policy, Scheduler
@@ -34,6 +35,9 @@ class Ticket:
 
     call: Call
     trace: RequestTrace
+    klass: TrafficClass | None = None
+    """The request's class (`gateway.classes`; set by `Dispatcher.new_job`): its band is the
+    job's priority."""
     future: asyncio.Future[Backend] | None = None
     backend: Backend | None = None
     priority: int | None = None
@@ -52,7 +56,11 @@ class Ticket:
 
 
 class Dispatcher:
-    """Queues, grants backend slots, and decides preemptions."""
+    """Queues, grants backend slots, and decides preemptions.
+
+    The configured policy runs inside the classes' bands (`Classes.compose`: bands, tenant
+    fairness, then the policy), the composition the simulator runs too; metrics keep the
+    configured policy's label."""
 
     def __init__(
         self,
@@ -62,7 +70,8 @@ class Dispatcher:
         config: GatewayConfig,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._template = policy
+        self.classes = Classes(config.classes)
+        self._template = self.classes.compose(policy)
         self._pool = pool
         self._metrics = metrics
         self._config = config
@@ -70,6 +79,10 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._schedulers: dict[str, Scheduler] = {}
         self.label = policy.label()
+        self._admission = Admission(
+            self.classes, config.max_waiting, config.retry_after_s, self.waiting
+        )
+        metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -120,26 +133,38 @@ class Dispatcher:
 
     # -- life of a request ----------------------------------------------------------------
 
-    def new_job(self, call: Call, trace: RequestTrace, dist: LengthDist | None) -> Job:
+    def new_job(
+        self,
+        call: Call,
+        trace: RequestTrace,
+        dist: LengthDist | None,
+        klass: TrafficClass | None = None,
+    ) -> Job:
+        """A job of class `klass` (default: the configured default class): its band is the
+        class's priority, its tenant the call's."""
+        klass = klass or self.classes.default
+        trace.klass, trace.tenant = klass.name, call.tenant
         return Job(
             id=next(self._ids),
             arrival_s=trace.arrived,
             prompt_tokens=call.prompt_tokens_estimate,
             max_tokens=call.max_tokens,
             tenant=call.tenant,
-            priority=call.priority,
+            priority=klass.priority,
             dist=dist,
-            ctx=Ticket(call=call, trace=trace),
+            ctx=Ticket(call=call, trace=trace, klass=klass),
         )
 
     def submit(self, job: Job) -> None:
-        """Admit a new job into its model's queue, or raise `QueueFull`."""
-        if self.waiting() >= self._config.max_waiting:
-            raise QueueFull(
-                f"the gateway queue is full ({self._config.max_waiting} waiting); retry later",
-                retry_after_s=self._config.retry_after_s,
-            )
-        model = job.ctx.call.model
+        """Admit a new job into its model's queue, or raise `QueueFull` / `Shed`
+        (`gateway.classes.Admission`); a full queue may evict a less urgent waiting job."""
+        ticket: Ticket = job.ctx
+        klass = self._klass(ticket)
+        victim = self._admission.admit(job, klass)
+        if victim is not None:
+            self._shed(victim)
+        self._class_depth(klass)
+        model = ticket.call.model
         self.scheduler(model).admit(job, self._clock())
         job.ctx.future = asyncio.get_running_loop().create_future()
         self._queue_changed(model)
@@ -151,17 +176,16 @@ class Dispatcher:
         gone) the job is withdrawn and any slot granted meanwhile is given back."""
         ticket: Ticket = job.ctx
         assert ticket.future is not None
+        timeout_s = self._klass(ticket).queue_timeout_s or self._config.queue_timeout_s
         try:
-            await asyncio.wait({ticket.future}, timeout=self._config.queue_timeout_s)
+            await asyncio.wait({ticket.future}, timeout=timeout_s)
         except asyncio.CancelledError:
             self._withdraw(job)
             raise
         if not ticket.future.done():
             self._withdraw(job)
-            raise QueueTimeout(
-                f"waited {self._config.queue_timeout_s:g} s in the gateway queue without a backend"
-            )
-        return ticket.future.result()
+            raise QueueTimeout(f"waited {timeout_s:g} s in the gateway queue without a backend")
+        return ticket.future.result()  # raises `Shed` for a job evicted to make room
 
     def resized(self, job: Job) -> None:
         """`job.prompt_tokens` changed (the backend's tokenizer counted the prompt): a waiting
@@ -182,6 +206,7 @@ class Dispatcher:
         if ticket.finished:
             return
         ticket.finished = True
+        self._left_waiting(job)
         self.scheduler(ticket.call.model).finish(job, self._clock())
         self._queue_changed(ticket.call.model)
         backend, ticket.backend = ticket.backend, None
@@ -236,6 +261,7 @@ class Dispatcher:
 
     def _grant(self, sched: Scheduler, job: Job, backend: Backend) -> None:
         ticket: Ticket = job.ctx
+        self._left_waiting(job)
         self._pool.acquire(backend)
         ticket.backend = backend
         ticket.priority = None
@@ -245,6 +271,25 @@ class Dispatcher:
             ticket.priority = sched.engine_priority(job, self._clock())
         assert ticket.future is not None and not ticket.future.done()
         ticket.future.set_result(backend)
+
+    def _shed(self, victim: Job) -> None:
+        """Evict a waiting job to make room: its `wait` raises `Shed` (429, Retry-After)."""
+        ticket: Ticket = victim.ctx
+        assert ticket.future is not None and not ticket.future.done()
+        ticket.future.set_exception(self._admission.shed_error(self._klass(ticket)))
+        self.finish(victim)
+
+    def _left_waiting(self, job: Job) -> None:
+        """`job` no longer waits for its first dispatch (granted, or over)."""
+        klass = self._klass(job.ctx)
+        self._admission.left(job, klass)
+        self._class_depth(klass)
+
+    def _klass(self, ticket: Ticket) -> TrafficClass:
+        return ticket.klass or self.classes.default
+
+    def _class_depth(self, klass: TrafficClass) -> None:
+        self._metrics.class_depth.labels(klass.name).set(self._admission.waiting_of(klass))
 
     def _withdraw(self, job: Job) -> None:
         """Client gone or timed out while waiting: out of the queue, slot returned if any."""

@@ -22,6 +22,8 @@ class Outcome(enum.StrEnum):
     """Refused before queuing: bad input, auth, unknown model, body too large."""
     QUEUE_FULL = "queue_full"
     """Refused because the waiting queue was at its bound (429)."""
+    SHED = "shed"
+    """Refused or evicted from the full queue to make room for a more urgent class (429)."""
     QUEUE_TIMEOUT = "queue_timeout"
     """Waited longer than the queue timeout (503)."""
     CANCELLED_WAITING = "cancelled_waiting"
@@ -103,6 +105,18 @@ class QueueFull(GatewayError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class Shed(QueueFull):
+    """The queue was full: a sheddable request (or the lowest band's oldest) made room."""
+
+    code, outcome = "shed", Outcome.SHED
+
+
+class UnknownClass(GatewayError):
+    """The request named a class the gateway does not define."""
+
+    status, type, code, outcome = 400, "invalid_request_error", "unknown_class", Outcome.REJECTED
 
 
 class QueueTimeout(GatewayError):

@@ -6,13 +6,16 @@ several gateways in one process never share series. Names carry units and the `s
 prefix; histogram edges follow vLLM's own (REFERENCE.md §4) so gateway and engine series can
 be compared bucket for bucket, with a few finer edges below vLLM's first one, where gateway
 overhead lives. Labels are bounded: model (validated against the backends' models), backend
-(from config), policy (one per process), outcome (an enum), code (HTTP status).
+(from config), policy (one per process), outcome (an enum), code (HTTP status), class (from
+config), tenant (the hashed ids of at most `tenant_labels` busiest tenants, else `other`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -20,6 +23,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from gateway.errors import Outcome
+
+if TYPE_CHECKING:
+    from gateway.config import TrafficClass
 
 # vLLM's edges (vllm/v1/metrics/loggers.py) with finer ones prepended for sub-ms overhead.
 TTFT_BUCKETS_S = (
@@ -61,6 +67,48 @@ class RequestTrace:
     gaps_s: list[float] = field(default_factory=list)
     outcome: Outcome | None = None
     status: int = 200
+    klass: str = ""
+    """The request's class (`gateway.classes`), once resolved."""
+    tenant: str = ""
+    """Who the request is billed to (never a label as is: hashed, top tenants only)."""
+
+
+SLO_JUDGED = frozenset(
+    {Outcome.COMPLETED, Outcome.SHED, Outcome.QUEUE_TIMEOUT, Outcome.UPSTREAM_ERROR,
+     Outcome.UPSTREAM_BROKEN, Outcome.INTERNAL_ERROR}
+)  # fmt: skip
+"""Outcomes judged against a class's objectives: served, or failed by the service (a request
+that never got its first or last token misses it). Client errors and cancellations are not."""
+
+
+class TenantLabels:
+    """Bounded tenant label values: `t-<8 hex of sha256>` for a tenant among the `top` busiest
+    (by requests, a Space-Saving sketch of 2·top counters), `other` for the rest. At most
+    4·top distinct labels are ever handed out, so the series stay bounded as tenants churn."""
+
+    def __init__(self, top: int) -> None:
+        self._top = top
+        self._counts: dict[str, int] = {}
+        self._issued: set[str] = set()
+
+    def label(self, tenant: str) -> str:
+        """Count one request of `tenant` and return its label."""
+        if self._top <= 0:
+            return "other"
+        counts = self._counts
+        if tenant in counts or len(counts) < 2 * self._top:
+            counts[tenant] = counts.get(tenant, 0) + 1
+        else:  # Space-Saving: the newcomer takes the smallest counter's place and count
+            smallest = min(counts, key=counts.__getitem__)
+            counts[tenant] = counts.pop(smallest) + 1
+        top = sorted(counts, key=lambda t: (-counts[t], t))[: self._top]
+        if tenant not in top:
+            return "other"
+        label = "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:8]
+        if label in self._issued or len(self._issued) < 4 * self._top:
+            self._issued.add(label)
+            return label
+        return "other"
 
 
 class GatewayMetrics:
@@ -146,6 +194,70 @@ class GatewayMetrics:
             "sagesched_backend_healthy", "1 if the backend passed its last health check.",
             ("backend",), registry=r,
         )  # fmt: skip
+        self._class_series(r)
+        self._slos: dict[str, tuple[float | None, float | None]] = {}
+        self._tenants = TenantLabels(0)
+
+    def _class_series(self, r: CollectorRegistry) -> None:
+        """Per request class (`gateway.classes`); labels bounded by the configured classes."""
+        mc = ("model", "class")
+        self.class_ttft = Histogram(
+            "sagesched_class_time_to_first_token_seconds",
+            "Arrival at the gateway to the first token relayed, by request class.",
+            mc, buckets=TTFT_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.class_ttlt = Histogram(
+            "sagesched_class_time_to_last_token_seconds",
+            "Arrival at the gateway to the last token relayed, completed requests, by class.",
+            mc, buckets=E2E_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.class_queue_wait = Histogram(
+            "sagesched_class_queue_wait_seconds",
+            "Admission to first dispatch to a backend, by request class.",
+            mc, buckets=TTFT_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.class_requests = Counter(
+            "sagesched_class_requests",
+            "Requests by class and terminal state (shed: refused or evicted from a full queue).",
+            ("model", "class", "outcome"), registry=r,
+        )  # fmt: skip
+        self.class_slo = Counter(
+            "sagesched_class_slo",
+            "Requests judged against their class's objective (slo: ttft or ttlt), met or "
+            "missed; a request the service failed or shed misses it.",
+            ("class", "slo", "result"), registry=r,
+        )  # fmt: skip
+        self.class_objective = Gauge(
+            "sagesched_class_slo_objective",
+            "Share of a class's requests that must meet its objective (the burn alerts' budget).",
+            ("class", "slo"), registry=r,
+        )  # fmt: skip
+        self.class_depth = Gauge(
+            "sagesched_class_queue_depth", "Requests of a class waiting for their first dispatch.",
+            ("class",), registry=r,
+        )  # fmt: skip
+        self.tenant_requests = Counter(
+            "sagesched_tenant_requests",
+            "Requests by class and tenant (hashed, the busiest tenants only; the rest: other).",
+            ("class", "tenant"), registry=r,
+        )  # fmt: skip
+        self.tenant_output_tokens = Counter(
+            "sagesched_tenant_output_tokens", "Output tokens relayed, by class and tenant.",
+            ("class", "tenant"), registry=r,
+        )  # fmt: skip
+
+    def declare_classes(self, classes: Sequence[TrafficClass], tenant_labels: int = 10) -> None:
+        """The configured classes: their objectives exported, their counters created at zero."""
+        self._tenants = TenantLabels(tenant_labels)
+        for c in classes:
+            self._slos[c.name] = (c.ttft_slo_s, c.ttlt_slo_s)
+            self.class_depth.labels(c.name).set(0)
+            for slo, target in (("ttft", c.ttft_slo_s), ("ttlt", c.ttlt_slo_s)):
+                if target is None:
+                    continue
+                self.class_objective.labels(c.name, slo).set(c.slo_target)
+                for result in ("met", "missed"):
+                    self.class_slo.labels(c.name, slo, result)
 
     def watch_embedding_cache(self, counts: Callable[[], tuple[int, int]]) -> None:
         """Expose the predictor's embedding-cache lookups, `counts()` = (hits, misses) since
@@ -170,6 +282,8 @@ class GatewayMetrics:
             self.prompt_counts.labels(t.model, t.prompt_count_source).inc()
         if t.prompt_tokens is not None and t.backend:
             self.prompt_tokens.labels(t.model, t.backend).inc(t.prompt_tokens)
+        if t.klass:
+            self._settle_class(t)
         if t.first_token is None or not t.backend:
             return
         labels = (t.model, t.backend, t.policy)
@@ -183,6 +297,33 @@ class GatewayMetrics:
             if t.predicted_median is not None and t.output_tokens > 0:
                 err = abs(t.predicted_median - t.output_tokens) / t.output_tokens
                 self.prediction_error.labels(t.model, t.policy).observe(err)
+
+    def _settle_class(self, t: RequestTrace) -> None:
+        assert t.outcome is not None
+        c = t.klass
+        self.class_requests.labels(t.model, c, t.outcome.value).inc()
+        tenant = self._tenants.label(t.tenant)
+        self.tenant_requests.labels(c, tenant).inc()
+        if t.output_tokens:
+            self.tenant_output_tokens.labels(c, tenant).inc(t.output_tokens)
+        if t.dispatched is not None:
+            self.class_queue_wait.labels(t.model, c).observe(t.dispatched - t.arrived)
+        completed = t.outcome is Outcome.COMPLETED and t.finished is not None
+        if t.first_token is not None:
+            self.class_ttft.labels(t.model, c).observe(t.first_token - t.arrived)
+            if completed:
+                assert t.finished is not None
+                self.class_ttlt.labels(t.model, c).observe(t.finished - t.arrived)
+        if t.outcome not in SLO_JUDGED:
+            return
+        ttft_slo, ttlt_slo = self._slos.get(c, (None, None))
+        for slo, target, at in (
+            ("ttft", ttft_slo, t.first_token),
+            ("ttlt", ttlt_slo, t.finished if completed else None),
+        ):
+            if target is not None:
+                met = at is not None and at - t.arrived <= target
+                self.class_slo.labels(c, slo, "met" if met else "missed").inc()
 
     def count_capture(self, result: str) -> None:
         """One traffic-capture record `written` or `dropped` (`gateway.capture`)."""
