@@ -4,7 +4,8 @@ Run `python deploy/grafana/build_dashboard.py` after editing; a unit test fails 
 in the repository differs from what this script writes. Panels read the recording rules of
 `deploy/prometheus/sagesched.rules.yml` for quantiles (cheap to draw over long ranges) and raw
 counters with `$__rate_interval` for rates. Variables: `datasource`, `model`, `backend`,
-`policy` (the gateway's labels) and `instance` (the vLLM scrape targets).
+`policy` (the gateway's labels), `instance` (the vLLM scrape targets) and `class` (request
+classes: one row per class, repeated).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MP = 'model=~"$model", policy=~"$policy"'
 MBP = 'model=~"$model", backend=~"$backend", policy=~"$policy"'
 MB = 'model=~"$model", backend=~"$backend"'
 VLLM = 'instance=~"$instance", model_name=~"$model"'
+MC = 'model=~"$model", class=~"$class"'
 
 
 def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
@@ -55,9 +57,13 @@ def panel(
     }
 
 
-def row(title: str, y: int) -> dict[str, Any]:
-    return {"type": "row", "title": title, "collapsed": False, "panels": [],
-            "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}}  # fmt: skip
+def row(title: str, y: int, repeat: str | None = None) -> dict[str, Any]:
+    """A row; with `repeat`, Grafana draws it and its panels once per value of that variable."""
+    out = {"type": "row", "title": title, "collapsed": False, "panels": [],
+           "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}}  # fmt: skip
+    if repeat:
+        out["repeat"] = repeat
+    return out
 
 
 def quantiles(record: str, selector: str, legend: str) -> list[tuple[str, str]]:
@@ -92,7 +98,7 @@ def variable(name: str, label: str, query: str) -> dict[str, Any]:
 
 def panels() -> list[dict[str, Any]]:
     ttft, ttlt = "sagesched_time_to_first_token_seconds", "sagesched_time_to_last_token_seconds"
-    errors = 'outcome!~"completed|rejected|queue_full|cancelled_waiting|cancelled_running"'
+    errors = 'outcome!~"completed|rejected|queue_full|shed|cancelled_waiting|cancelled_running"'
     out = [
         row("Overview", 0),
         panel("Request rate", "Requests per second that reached a terminal state.",
@@ -190,9 +196,52 @@ def panels() -> list[dict[str, Any]]:
               [(f"sum by (instance) (rate(vllm:num_preemptions_total{{{VLLM}}}"
                 "[$__rate_interval]))", "{{instance}}")], "short", (12, 75, 12, 8)),
     ]  # fmt: skip
+    out += class_row(83)
     for i, p in enumerate(out, start=1):
         p["id"] = i
     return out
+
+
+def class_row(y: int) -> list[dict[str, Any]]:
+    """One row per request class (`gateway.classes`): latency, queue, outcomes, SLO burn and
+    the tenants' share of the output."""
+    ttft = "model_class:sagesched_class_time_to_first_token_seconds"
+    ttlt = "model_class:sagesched_class_time_to_last_token_seconds"
+    burn = "class_slo:sagesched_class_slo_missed"
+    return [
+        row("Class $class", y, repeat="class"),
+        panel("Time to first token ($class)",
+              "Arrival at the gateway to the first token relayed, this class's requests.",
+              [(f"{ttft}:{q}{{{MC}}}", f"{q} {{{{model}}}}") for q in ("p50", "p99")], "s",
+              (0, y + 1, 8, 8)),
+        panel("Time to last token ($class)",
+              "Arrival to the last token relayed, completed requests of this class.",
+              [(f"{ttlt}:{q}{{{MC}}}", f"{q} {{{{model}}}}") for q in ("p50", "p99")], "s",
+              (8, y + 1, 8, 8)),
+        panel("Outcomes ($class)",
+              "Terminal states of this class's requests; shed = refused or evicted from a "
+              "full queue (429), queue_full = the class's or the gateway's bound.",
+              [(f"sum by (outcome) (rate(sagesched_class_requests_total{{{MC}}}"
+                "[$__rate_interval]))", "{{outcome}}")], "reqps", (16, y + 1, 8, 8)),
+        panel("Queue ($class)",
+              "Requests of this class waiting for their first dispatch, and their wait (p95).",
+              [('sum(sagesched_class_queue_depth{class=~"$class"})', "waiting"),
+               (f"model_class:sagesched_class_queue_wait_seconds:p95{{{MC}}}",
+                "wait p95 {{model}} (s)")], "short", (0, y + 9, 8, 8)),
+        panel("SLO burn ($class)",
+              "Share of this class's requests missing its objective over 5 m and 1 h; dashed: "
+              "the fast-burn threshold (14.4 x the error budget) of SageSchedClassSLOFastBurn.",
+              [(f'{burn}:ratio_rate5m{{class=~"$class"}}', "missed 5 m {{slo}}"),
+               (f'{burn}:ratio_rate1h{{class=~"$class"}}', "missed 1 h {{slo}}"),
+               ('14.4 * class_slo:sagesched_class_slo_budget:ratio{class=~"$class"}',
+                "fast-burn threshold {{slo}}")], "percentunit", (8, y + 9, 8, 8),
+              overrides=[dashed("fast-burn .*")]),
+        panel("Output tokens by tenant ($class)",
+              "Tokens relayed per tenant (hashed ids of the busiest tenants; the rest: other): "
+              "tenants share a band by virtual token counters.",
+              [('sum by (tenant) (rate(sagesched_tenant_output_tokens_total{class=~"$class"}'
+                "[$__rate_interval]))", "{{tenant}}")], "short", (16, y + 9, 8, 8)),
+    ]  # fmt: skip
 
 
 def variables() -> list[dict[str, Any]]:
@@ -204,6 +253,7 @@ def variables() -> list[dict[str, Any]]:
         variable("backend", "Backend", "label_values(sagesched_backend_inflight, backend)"),
         variable("policy", "Policy", "label_values(sagesched_requests_total, policy)"),
         variable("instance", "vLLM instance", "label_values(vllm:num_requests_running, instance)"),
+        variable("class", "Class", "label_values(sagesched_class_requests_total, class)"),
     ]
 
 

@@ -25,7 +25,10 @@ MUST_SHOW = ("sagesched_time_to_first_token_seconds", "sagesched_time_to_last_to
              "sagesched_preemptions_total", "sagesched_retries_total",
              "sagesched_predictor_latency_seconds", "sagesched_prediction_error_ratio",
              "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-             "vllm:time_to_first_token_seconds")  # fmt: skip
+             "vllm:time_to_first_token_seconds", "sagesched_class_time_to_first_token_seconds",
+             "sagesched_class_time_to_last_token_seconds", "sagesched_class_requests_total",
+             "sagesched_class_queue_depth", "sagesched_class_slo_total",
+             "sagesched_class_slo_objective", "sagesched_tenant_output_tokens_total")  # fmt: skip
 
 
 def generator() -> ModuleType:
@@ -71,7 +74,7 @@ def test_datasource_and_variables() -> None:
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("model", "backend", "policy"):
+    for name in ("model", "backend", "policy", "class"):
         assert variables[name]["type"] == "query" and variables[name]["includeAll"]
         assert name in variables[name]["query"]["query"]
     for panel in dashboard()["panels"]:
@@ -115,3 +118,10 @@ def test_gateway_quantiles_come_from_recording_rules() -> None:
         for metric in ("time_to_first_token_seconds", "time_to_last_token_seconds"):
             name = f"model_policy:sagesched_{metric}:{q}"
             assert name in recorded and any(name in e for e in exprs()), name
+
+
+def test_one_row_per_class() -> None:
+    rows = [p for p in dashboard()["panels"] if p["type"] == "row" and p.get("repeat")]
+    assert [r["repeat"] for r in rows] == ["class"]
+    below = [p for p in dashboard()["panels"] if p["gridPos"]["y"] > rows[0]["gridPos"]["y"]]
+    assert below and all('class=~"$class"' in t["expr"] for p in below for t in p["targets"])
