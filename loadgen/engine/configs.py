@@ -50,6 +50,13 @@ class EngineConfig:
     """Chunked prefill: most prompt tokens of one sequence per iteration (None: whole prompts)."""
     decode_first: bool = True
     """Running sequences take the budget before new prompts are admitted."""
+    prefill_free: bool = False
+    """The portability paper's simulator (prefill instantaneous, REFERENCE.md §2): a prompt
+    still spends the token budget in chunks of `chunk_tokens` over its first iterations (its
+    scheduler's bookkeeping, which throttles admissions and, with `decode_defer_tbt_s`, leaves
+    less budget for deferred decodes), but it is computed at admission: the first token comes at
+    the end of the admission iteration and the sequence decodes every iteration, outside the
+    budget and never deferred, while its remaining chunks are booked."""
     prefill_pauses_decodes: bool = False
     """vLLM V0 without chunking: an iteration that admits a prompt runs no decodes."""
     preemption: bool = True
@@ -175,12 +182,15 @@ register_engine(
 register_engine(
     EngineConfig(
         "slai",
-        "SLAI: shortest-prompt-first admission, decodes deferred to their last schedulable "
-        "time (TBT 0.5 s, offset 5/10 iterations), 512-token budget, 128 sequences",
+        "SLAI as the portability paper ran it: shortest-prompt-first admission, decodes deferred "
+        "to their last schedulable time (TBT 0.5 s, offset 5/10 iterations), a 512-token budget "
+        "that prompts spend in chunks while prefill itself is free, 64 sequences (the paper "
+        "engine's cap under SLAI's own 128)",
         budget_counts_decodes=True,
         max_batch_tokens=512,
         chunk_tokens=512,
-        max_seqs=128,
+        max_seqs=64,
+        prefill_free=True,
         waiting_order="prompt",
         decode_defer_tbt_s=0.5,
     )

@@ -44,6 +44,9 @@ class Seq:
     blocks: int = 0
     prefill_left: int = 0
     """Prompt (or recompute) tokens still to run before the next token."""
+    booked_left: int = 0
+    """`prefill_free` engines: prompt tokens computed at admission but not yet charged to a
+    token budget (booked in chunks over the next iterations while the sequence decodes)."""
     last_token_s: float = 0.0
     first_token_s: float | None = None
     preemptions: int = 0
@@ -76,6 +79,8 @@ class StepResult:
 class _Batch:
     decodes: list[Seq] = field(default_factory=list)
     prefills: list[tuple[Seq, int]] = field(default_factory=list)
+    booked: list[tuple[Seq, int]] = field(default_factory=list)
+    """`prefill_free`: (sequence, prompt tokens charged to the budget this iteration)."""
     budget: int = 0
     admitted: int = 0
     preempted: int = 0
@@ -109,7 +114,7 @@ class Engine:
 
     def add(self, seq: Seq) -> None:
         """A request reaches the engine (new, or resumed after a gateway preemption)."""
-        seq.kv = seq.blocks = 0
+        seq.kv = seq.blocks = seq.booked_left = 0
         seq.prefill_left = seq.prompt + seq.generated
         self.waiting.append(seq)
 
@@ -151,7 +156,8 @@ class Engine:
         if k > 1:
             dt = self.profile.decode_run_s(n, ctx, k)
         else:
-            dt = self.profile.iteration_s(n, ctx, sum(c for _, c in batch.prefills))
+            work = batch.booked if self.cfg.prefill_free else batch.prefills
+            dt = self.profile.iteration_s(n, ctx, sum(c for _, c in work))
         self._last_iter_s = dt / k
         self.iterations += k
         finished = self._apply(batch, k, now + dt)
@@ -176,12 +182,17 @@ class Engine:
         """Schedule running sequences in order; returns the decodes deferred (SLAI)."""
         cfg = self.cfg
         deferred: list[Seq] = []
+        booking: list[Seq] = []
         tbt = cfg.decode_defer_tbt_s
         offset_s = self._offset_iters() * self._last_iter_s if tbt is not None else 0.0
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted as a victim earlier in this loop
-            if seq.prefill_left > 0:
+            if seq.booked_left > 0:  # prefill_free: decodes outside the budget, never deferred
+                booking.append(seq)
+                if self._grow(seq, 1, b):
+                    b.decodes.append(seq)
+            elif seq.prefill_left > 0:
                 chunk = min(seq.prefill_left, cfg.chunk_tokens or seq.prefill_left, b.budget)
                 if chunk > 0 and self._grow(seq, chunk + (chunk == seq.prefill_left), b):
                     b.prefills.append((seq, chunk))
@@ -191,6 +202,11 @@ class Engine:
             elif (not cfg.budget_counts_decodes or b.budget >= 1) and self._grow(seq, 1, b):
                 b.decodes.append(seq)
                 b.budget -= cfg.budget_counts_decodes
+        for seq in booking:  # after the decodes, as SLAI's continuing chunks
+            chunk = min(seq.booked_left, cfg.chunk_tokens or seq.booked_left, b.budget)
+            if chunk > 0 and seq in self.running:
+                b.booked.append((seq, chunk))
+                b.budget -= chunk
         return deferred
 
     def _serve_deferred(self, b: _Batch, deferred: list[Seq]) -> None:
@@ -256,13 +272,17 @@ class Engine:
             chunk = 0  # a whole prompt over the budget runs only in an otherwise empty batch
         if chunk <= 0:
             return "budget"
-        need = self._admit_need(seq, chunk)
+        run = seq.prefill_left if cfg.prefill_free else chunk  # computed now
+        need = self._admit_need(seq, run)
         if need > self._kv_free() - self._watermark:
             return "kv"
         self.waiting.remove(seq)
         self._take(seq, need)
         self.running.append(seq)
-        b.prefills.append((seq, chunk))
+        b.prefills.append((seq, run))
+        if cfg.prefill_free:
+            seq.booked_left = seq.prefill_left
+            b.booked.append((seq, chunk))
         b.budget -= chunk if cfg.budget_counts_prompts else 0
         b.admitted += 1
         return None
@@ -336,9 +356,15 @@ class Engine:
         for i, (s, chunk) in enumerate(b.prefills):
             if s is seq:
                 del b.prefills[i]
+                b.budget += 0 if self.cfg.prefill_free else chunk
+                break
+        for i, (s, chunk) in enumerate(b.booked):
+            if s is seq:
+                del b.booked[i]
                 b.budget += chunk
                 break
         self._free(seq)
+        seq.booked_left = 0
         seq.prefill_left = seq.prompt + seq.generated
         seq.preemptions += 1
         self.preemptions += 1
@@ -351,6 +377,8 @@ class Engine:
         """How many identical pure-decode iterations this batch may run (≥ 1)."""
         if (
             b.prefills
+            or b.booked
+            or (self.cfg.prefill_free and any(s.booked_left for s in self.running))
             or b.preempted
             or b.dropped
             or len(b.decodes) != len(self.running)
@@ -400,6 +428,8 @@ class Engine:
         elif k > 1:
             for seq in b.decodes:
                 self._take(seq, max(0, self._blocks_for(seq.kv + k) - seq.blocks))
+        for seq, chunk in b.booked:
+            seq.booked_left -= chunk
         self.generated_tokens += k * len(b.decodes)
         for seq in b.decodes:
             seq.generated += k

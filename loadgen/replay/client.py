@@ -37,6 +37,8 @@ class ReplayRequest:
     output_tokens: int
     deadline_s: float | None = None
     """Absolute deadline for the last token on the replay's clock, if an SLO applies."""
+    priority: int | None = None
+    """vLLM `priority` to send (lower first; needs `--scheduling-policy priority`), if any."""
 
 
 @dataclass(slots=True)
@@ -162,7 +164,9 @@ async def _one(
             max_tokens=req.output_tokens,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True}
+            if req.priority is None
+            else {"ignore_eos": True, "priority": req.priority},
         )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:

@@ -60,11 +60,12 @@ def test_sarathi_keeps_decoding_while_chunking_a_prompt() -> None:
 
 
 def test_slai_admits_the_shortest_prompt_first() -> None:
-    reqs = [_req(0.0, 500, 2), _req(0.0, 30, 2), _req(0.0, 200, 2)]
-    res = simulate(reqs, "slai")
-    order = sorted(res.records, key=lambda r: (r.first_token_s, r.id))
-    assert order[0].prompt_tokens == 30
-    assert res.records[0].first_token_s > res.records[1].first_token_s
+    reqs = [_req(0.0, 600, 2), _req(0.0, 500, 2), _req(0.0, 30, 2)]
+    res = simulate(reqs, "slai")  # 30 + the first 482 of 500 fill the 512-token budget
+    assert res.records[2].first_token_s == res.records[1].first_token_s == pytest.approx(0.001)
+    assert res.records[0].first_token_s > 0.001
+    fcfs = simulate(reqs, _on(engine_config("slai").with_(waiting_order="arrival")))
+    assert fcfs.records[0].first_token_s == pytest.approx(0.001)
 
 
 def test_slai_defers_a_decode_that_has_slack_when_prompts_need_the_budget() -> None:
@@ -123,3 +124,32 @@ def test_every_engine_config_runs_a_mixed_workload_to_completion() -> None:
         res = simulate(reqs, resolve(name) if name != "continuous" else _on(CONTINUOUS))
         assert all(r.completed for r in res.records), name
         assert all(r.tokens == r.output_tokens for r in res.records), name
+
+
+def test_slai_prefill_is_free_but_its_chunks_spend_the_budget() -> None:
+    """The paper's SLAI: a 1,500-token prompt decodes from its admission iteration, while its
+    chunks (512, 512, 476) hold the budget: a deferred decode and a new prompt wait for them."""
+    eng = Engine(engine_config("slai"), make_profile("lssp-constant"))
+    old = Seq(Job(0, 0.0, 10), 50, 50.0)
+    eng.add(old)
+    t = eng.step(0.0, 1.0).dt_s
+    big = Seq(Job(1, t, 1500), 50, 50.0)
+    eng.add(big)
+    t += eng.step(t, 1e-4).dt_s
+    assert (big.generated, big.booked_left, old.generated) == (1, 988, 1)
+    late = Seq(Job(2, t, 5), 5, 5.0)
+    eng.add(late)
+    t += eng.step(t, 1e-4).dt_s
+    assert (big.generated, big.booked_left, old.generated, late.generated) == (2, 476, 1, 0)
+    t += eng.step(t, 1e-4).dt_s  # 476 booked, 36 left: the new prompt and the deferred decode
+    assert (big.generated, big.booked_left, old.generated, late.generated) == (3, 0, 2, 1)
+
+
+def test_slai_before_the_fix_paid_prefill_in_iterations() -> None:
+    """Our first reading (128 sequences, prefill through the 512-token budget): the same
+    prompt's first token waits for its three chunks."""
+    reqs = [_req(0.0, 1500, 2)]
+    before = simulate(reqs, _on(engine_config("slai").with_(prefill_free=False, max_seqs=128)))
+    now = simulate(reqs, "slai")
+    assert before.records[0].first_token_s == pytest.approx(0.003)
+    assert now.records[0].first_token_s == pytest.approx(0.001)
