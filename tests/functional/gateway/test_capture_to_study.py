@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
+from fixtures.gateway_fixtures import StartGateway
 
-from gateway.app import create_app
-from gateway.config import build
 from loadgen.replay.cli import main as replay_main
 from loadgen.study.cli import main as study_main
 from loadgen.study.grid import METRICS
@@ -33,31 +31,25 @@ async def _send(s: aiohttp.ClientSession, url: str, i: int) -> int:
         return r.status
 
 
-async def capture_traffic(emu: str, folder: Path) -> list[int]:
+async def capture_traffic(start_gateway: StartGateway, emu: str, folder: Path) -> list[int]:
     """N requests through a capturing FCFS gateway, 15 ms apart; their statuses."""
-    cfg = build({"backends": [{"url": emu}], "policy": "fcfs", "port": 1,
-                 "capture": {"dir": str(folder)}})  # fmt: skip
-    runner = web.AppRunner(create_app(cfg), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    gw = await start_gateway([emu], policy="fcfs", capture={"dir": str(folder)})
     try:
         async with aiohttp.ClientSession() as s:
             tasks = []
             for i in range(N):
-                tasks.append(asyncio.create_task(_send(s, url, i)))
+                tasks.append(asyncio.create_task(_send(s, f"{gw.url}/v1/chat/completions", i)))
                 await asyncio.sleep(0.015)
             return list(await asyncio.gather(*tasks))
     finally:
-        await runner.cleanup()  # stopping flushes the capture
+        await gw.stop()  # stopping flushes the capture
 
 
 async def test_gateway_capture_feeds_the_whatif_study_and_the_replay(
-    start_emulator: StartEmulator, tmp_path: Path, capsys: Any
+    start_emulator: StartEmulator, start_gateway: StartGateway, tmp_path: Path, capsys: Any
 ) -> None:
     emu = await start_emulator(time_scale=0.05)
-    statuses = await capture_traffic(emu, tmp_path / "cap")
+    statuses = await capture_traffic(start_gateway, emu, tmp_path / "cap")
     assert statuses == [200] * N
     out = tmp_path / "whatif"
     argv = ["--mode", "lssp", "--trace", str(tmp_path / "cap"), "--out", str(out),
