@@ -2,7 +2,8 @@
 
 Every policy module registers its class with `@register_policy`; a second registration of a
 name is an error. The CLI, YAML config, tests and studies all iterate this registry, never a
-hand-written list. Specs look like `name` or `name:param=value,param=value`.
+hand-written list. Specs look like `name` or `name:param=value,param=value`; a parameter of
+(key, value) pairs is written `key:value;key:value` (`bands:band_shares=2:0.1`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def _coerce(raw: str, hint: Any, where: str) -> Any:
         if raw.lower() == "none":
             return None
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    pair = _pair_types(hint)
+    if pair is not None:  # (key, value) pairs, written `k:v;k:v` (e.g. band_shares=2:0.1)
+        items = [item.partition(":") for item in filter(None, raw.split(";"))]
+        if any(not sep for _, sep, _ in items):
+            raise ValueError(f"{where}: write pairs as key:value;key:value, not {raw!r}")
+        return tuple((_coerce(k, pair[0], where), _coerce(v, pair[1], where)) for k, _, v in items)
     try:
         if hint is bool:
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -94,6 +101,17 @@ def _coerce(raw: str, hint: Any, where: str) -> Any:
     except ValueError:
         raise ValueError(f"{where}: cannot read {raw!r} as {hint.__name__}") from None
     raise ValueError(f"{where}: parameters of type {hint} cannot be set from text")
+
+
+def _pair_types(hint: Any) -> tuple[Any, Any] | None:
+    """(K, V) if `hint` is `tuple[tuple[K, V], ...]`, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is not tuple or len(args) != 2 or args[1] is not Ellipsis:
+        return None
+    inner = typing.get_args(args[0])
+    if typing.get_origin(args[0]) is not tuple or len(inner) != 2:
+        return None
+    return inner[0], inner[1]
 
 
 @dataclass(frozen=True, slots=True)

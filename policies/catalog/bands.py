@@ -46,9 +46,9 @@ class Bands(Policy):
         "sagesched", "policy ordering each tenant's jobs: a spec, ';' between its parameters"
     )
     band_shares: tuple[tuple[int, float], ...] = param(
-        (), "(band, share) pairs: fraction of the work a backlogged band is guaranteed"
+        (), "band:share;... fraction of the work a waiting band is guaranteed (else strict)"
     )
-    tenant_weights: tuple[tuple[str, float], ...] = param((), "(tenant, weight) pairs; default 1")
+    tenant_weights: tuple[tuple[str, float], ...] = param((), "tenant:weight;... default 1")
     input_weight: float = param(1.0, "tenant counter charge per prompt token")
     output_weight: float = param(2.0, "tenant counter charge per output token")
     preempt_lower_bands: bool = param(

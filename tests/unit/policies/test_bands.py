@@ -234,3 +234,17 @@ def test_a_time_review_of_the_inner_policy_is_seen_across_flows() -> None:
     s.queue.peek(1.0)  # b's entries are current, a's is stale from now on
     first = s.dispatch(6.0)  # past a's promotion time
     assert first is old
+
+
+def test_pair_parameters_are_written_key_value_pairs() -> None:
+    p = parse_policy("bands:band_shares=2:0.1;1:0.05,preempt_lower_bands=true")
+    assert isinstance(p, Bands)
+    assert p.band_shares == ((2, 0.1), (1, 0.05)) and p.preemptive
+    assert parse_policy("vtc:tenant_weights=a:2;b:1").params()["tenant_weights"] == (
+        ("a", 2.0),
+        ("b", 1.0),
+    )
+    with pytest.raises(ValueError, match="key:value"):
+        parse_policy("bands:band_shares=2")
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_policy("bands:band_shares=x:0.1")
