@@ -53,7 +53,10 @@ class _Band:
     """Tenant → its waiting jobs (kept while the tenant has a counter)."""
     counters: dict[str, float] = field(default_factory=dict)
     heap: list[tuple[float, Key, float, int, int, str]] = field(default_factory=list)
-    """Flow entries (state, sequence, tenant), each a lower bound of its flow's state."""
+    """Flow entries (state, sequence, tenant); a flow's latest entry is a lower bound of its
+    state, older ones are skipped."""
+    latest: dict[str, int] = field(default_factory=dict)
+    """Tenant → sequence of its latest entry."""
     reviews: list[tuple[float, int, int]] = field(default_factory=list)
     """(time, sequence, job id): an inner key may fall then, so the flow gets a fresh entry."""
     running: Counter[str] = field(default_factory=Counter)
@@ -243,7 +246,8 @@ class BandQueue:
     def _push_entry(self, band: _Band, tenant: str, now: float) -> None:
         state = self._state(band, tenant, now)
         if state is not None:
-            heapq.heappush(band.heap, (*state, next(self._seq), tenant))
+            seq = band.latest[tenant] = next(self._seq)
+            heapq.heappush(band.heap, (*state, seq, tenant))
 
     def _pick(self, now: float) -> tuple[_Band, str] | None:
         band = self._pick_band()
@@ -274,24 +278,21 @@ class BandQueue:
         while heap:
             top = heap[0]
             tenant = top[-1]
-            state = self._state(band, tenant, now)
-            if state is None:
+            state = None if band.latest.get(tenant) != top[4] else self._state(band, tenant, now)
+            if state is None:  # superseded by a newer entry, or the flow is empty
                 heapq.heappop(heap)
             elif state <= top[:4]:
                 return tenant
             else:  # counters rose or the head left since the entry: requeue it as it is now
-                heapq.heapreplace(heap, (*state, next(self._seq), tenant))
+                seq = band.latest[tenant] = next(self._seq)
+                heapq.heapreplace(heap, (*state, seq, tenant))
         raise AssertionError(f"band {band.priority} has {band.waiting} waiting but no flow")
 
     def _compact(self, band: _Band) -> None:
-        """Keep the lowest entry of each non-empty flow (still a lower bound of its state)."""
-        best: dict[str, tuple[float, Key, float, int, int, str]] = {}
-        for entry in band.heap:
-            tenant = entry[-1]
-            flow = band.flows.get(tenant)
-            if flow and (tenant not in best or entry < best[tenant]):
-                best[tenant] = entry
-        band.heap = list(best.values())
+        """Keep the latest entry of each non-empty flow."""
+        band.heap = [
+            e for e in band.heap if band.latest.get(e[-1]) == e[4] and band.flows.get(e[-1])
+        ]
         heapq.heapify(band.heap)
 
     def _stopped(self, band: _Band, tenant: str) -> None:
@@ -304,6 +305,7 @@ class BandQueue:
         if band.waiting == 0:
             band.credit = min(band.credit, 0.0)  # a share's credit does not outlive a backlog
             band.heap.clear()
+            band.latest.clear()
             band.reviews.clear()
             if not band.running:  # idle: every counter restarts level
                 del self._bands[band.priority]
@@ -316,6 +318,7 @@ class BandQueue:
         if band.counters.get(tenant, 0.0) <= band.vtime:
             band.counters.pop(tenant, None)
             band.flows.pop(tenant, None)
+            band.latest.pop(tenant, None)
         if not band.waiting and not band.running and self._bands.get(band.priority) is band:
             del self._bands[band.priority]
 

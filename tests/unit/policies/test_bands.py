@@ -248,3 +248,21 @@ def test_pair_parameters_are_written_key_value_pairs() -> None:
         parse_policy("bands:band_shares=2")
     with pytest.raises(ValueError, match="cannot read"):
         parse_policy("bands:band_shares=x:0.1")
+
+
+def test_flow_entries_stay_bounded() -> None:
+    """One entry per flow is live; superseded ones are skipped and compacted away."""
+    s = Scheduler(make_policy("bands", inner="fcfs"))
+    for i in range(1000):
+        s.admit(job(i, 0, "solo" if i % 2 else f"t{i % 10}", arrival=float(i)), float(i))
+    q = s.queue
+    assert isinstance(q, BandQueue)
+    band = q._bands[0]
+    assert len(band.heap) <= 2 * len(band.flows) + 65
+    for _ in range(500):
+        j = s.dispatch(2000.0)
+        assert j is not None
+        s.progress(j, 7, 2000.0)
+        s.finish(j, 2000.0)
+    assert len(band.heap) <= 2 * len(band.flows) + 65
+    assert set(band.latest) <= set(band.flows)
