@@ -161,12 +161,16 @@ class Dispatcher:
         ticket: Ticket = job.ctx
         klass = self._klass(ticket)
         victim = self._admission.admit(job, klass)
-        if victim is not None:
+        model = ticket.call.model
+        try:
+            self.scheduler(model).admit(job, self._clock())
+        except BaseException:
+            self._admission.left(job, klass)
+            raise
+        job.ctx.future = asyncio.get_running_loop().create_future()
+        if victim is not None:  # room made only once the arrival is in
             self._shed(victim)
         self._class_depth(klass)
-        model = ticket.call.model
-        self.scheduler(model).admit(job, self._clock())
-        job.ctx.future = asyncio.get_running_loop().create_future()
         self._queue_changed(model)
         self.pump()
         self._consider_preemption(model)
