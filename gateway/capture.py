@@ -36,7 +36,7 @@ import numpy as np
 
 from gateway.config import CaptureSettings
 from gateway.dispatcher import Ticket
-from gateway.metrics import RequestTrace
+from gateway.metrics import RequestTrace, tenant_id
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ def record_of(trace: RequestTrace, now_wall: float, now_mono: float) -> dict[str
         "status": trace.status,
         "backend": trace.backend or None,
         "policy": trace.policy,
+        "class": trace.klass or None,
+        "tenant": tenant_id(trace.tenant, 16) if trace.tenant else None,  # a pseudonym only
     }
 
 

@@ -81,6 +81,11 @@ SLO_JUDGED = frozenset(
 that never got its first or last token misses it). Client errors and cancellations are not."""
 
 
+def tenant_id(tenant: str, digits: int = 8) -> str:
+    """A tenant's stable pseudonym: `t-` + the first `digits` hex of its SHA-256."""
+    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:digits]
+
+
 class TenantLabels:
     """Bounded tenant label values: `t-<8 hex of sha256>` for a tenant among the `top` busiest
     (by requests, a Space-Saving sketch of 2·top counters), `other` for the rest. At most
@@ -104,7 +109,7 @@ class TenantLabels:
         top = sorted(counts, key=lambda t: (-counts[t], t))[: self._top]
         if tenant not in top:
             return "other"
-        label = "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:8]
+        label = tenant_id(tenant)
         if label in self._issued or len(self._issued) < 4 * self._top:
             self._issued.add(label)
             return label

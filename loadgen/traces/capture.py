@@ -122,6 +122,7 @@ def capture_summary(path: Path) -> dict[str, Any]:
         "records": len(records),
         "outcomes": dict(Counter(str(r.get("outcome")) for r in records)),
         "models": dict(Counter(str(r.get("model")) for r in records)),
+        "classes": dict(Counter(str(r.get("class")) for r in records)),
         "span_s": span,
         "rate_per_s": (len(records) - 1) / span if span > 0 else None,
         "completed_requests": len(done),

@@ -17,6 +17,7 @@ from fixtures.gateway_fixtures import StartGateway
 from loadgen.replay.cli import main as replay_main
 from loadgen.study.cli import main as study_main
 from loadgen.study.grid import METRICS
+from loadgen.traces.capture import read_records
 
 MODEL = "tiny-llama"
 N = 40
@@ -51,6 +52,8 @@ async def test_gateway_capture_feeds_the_whatif_study_and_the_replay(
     emu = await start_emulator(time_scale=0.05)
     statuses = await capture_traffic(start_gateway, emu, tmp_path / "cap")
     assert statuses == [200] * N
+    records = read_records(tmp_path / "cap")
+    assert {r["class"] for r in records} == {"standard"}  # the default class, recorded
     out = tmp_path / "whatif"
     argv = ["--mode", "lssp", "--trace", str(tmp_path / "cap"), "--out", str(out),
             "--profile", "cpu-tiny-vllm", "--window-requests", "20", "--public-windows", "1",

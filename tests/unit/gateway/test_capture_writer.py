@@ -36,7 +36,19 @@ def test_record_holds_counts_and_times_only() -> None:
     assert (rec["ttft_s"], rec["ttlt_s"]) == (1.0, 3.0)
     assert (rec["prompt_tokens"], rec["output_tokens"], rec["outcome"]) == (12, 40, "completed")
     assert set(rec) == {"v", "arrival_s", "model", "prompt_tokens", "output_tokens", "ttft_s",
-                        "ttlt_s", "outcome", "status", "backend", "policy"}  # fmt: skip
+                        "ttlt_s", "outcome", "status", "backend", "policy", "class",
+                        "tenant"}  # fmt: skip
+    assert (rec["class"], rec["tenant"]) == (None, None)
+
+
+def test_record_carries_the_class_and_a_tenant_pseudonym() -> None:
+    trace = _trace(0)
+    trace.klass, trace.tenant = "batch", "acme-corp"
+    rec = record_of(trace, now_wall=1_000.0, now_mono=110.0)
+    assert rec["class"] == "batch"
+    assert rec["tenant"].startswith("t-") and len(rec["tenant"]) == 18
+    assert "acme" not in json.dumps(rec)  # the tenant's name never reaches the file
+    assert rec["tenant"] == record_of(trace, now_wall=1.0, now_mono=1.0)["tenant"]  # stable
 
 
 async def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
