@@ -58,8 +58,9 @@ class Classes:
         if isinstance(policy, Bands):
             return policy
         shares = tuple(sorted({(c.priority, c.share) for c in self.settings.list if c.share > 0}))
-        spec = policy.label().replace(",", ";")
-        return Bands(inner=spec, band_shares=shares)
+        # the object itself, not its label as a spec: pair parameters (`tenant_weights=a:2;b:1`)
+        # do not survive nesting in `bands:inner=...` text
+        return Bands(inner=policy, band_shares=shares)
 
 
 class Admission:

@@ -82,9 +82,10 @@ def parse_policy(spec: str) -> Policy:
 
 def _coerce(raw: str, hint: Any, where: str) -> Any:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        if raw.lower() == "none":
+        args = typing.get_args(hint)
+        if type(None) in args and raw.lower() == "none":
             return None
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        hint = next(a for a in args if a is not type(None))  # text: the first type
     pair = _pair_types(hint)
     if pair is not None:  # (key, value) pairs, written `k:v;k:v` (e.g. band_shares=2:0.1)
         items = [item.partition(":") for item in filter(None, raw.split(";"))]

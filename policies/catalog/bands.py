@@ -42,8 +42,11 @@ class Bands(Policy):
     )
     needs_prediction = True  # as the default inner policy; each instance says its own
     revalidate_on_pop = True  # the flow chosen moves with shared counters: report progress
-    inner: str = param(
-        "sagesched", "policy ordering each tenant's jobs: a spec, ';' between its parameters"
+    # a field like the others (`param` is `dataclasses.field`); ruff only sees `Policy` as mutable
+    inner: str | Policy = param(  # noqa: RUF009
+        "sagesched",
+        "policy ordering each tenant's jobs: a spec, ';' between its parameters (or, from "
+        "code, the policy itself: `gateway.classes` wraps the configured one)",
     )
     band_shares: tuple[tuple[int, float], ...] = param(
         (), "band:share;... fraction of the work a waiting band is guaranteed (else strict)"
@@ -63,7 +66,11 @@ class Bands(Policy):
         for band, share in self.band_shares:
             if not 0.0 <= share < 1.0:
                 raise ValueError(f"band_shares: band {band}'s share must be in [0, 1)")
-        inner = parse_policy(self.inner.replace(";", ","))
+        inner = (
+            self.inner
+            if isinstance(self.inner, Policy)
+            else parse_policy(self.inner.replace(";", ","))
+        )
         if isinstance(inner, Bands):
             raise ValueError("bands: the inner policy cannot be bands")
         self._inner = (inner if self.engine is None else inner.on_engine(self.engine)).fresh()

@@ -90,6 +90,13 @@ def test_compose_wraps_the_policy_with_the_bands_shares() -> None:
     assert Classes(SETTINGS).compose(explicit) is explicit
 
 
+def test_compose_keeps_parameters_a_nested_spec_cannot_carry() -> None:
+    policy = Classes(SETTINGS).compose(parse_policy("vtc:tenant_weights=a:2;b:1"))
+    assert isinstance(policy, Bands)
+    assert policy.inner_policy.params()["tenant_weights"] == (("a", 2.0), ("b", 1.0))
+    assert policy.fresh().inner_policy.params() == policy.inner_policy.params()
+
+
 class Queue:
     """Admission over a counted queue (the dispatcher's `waiting()`)."""
 
