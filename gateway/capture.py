@@ -155,8 +155,8 @@ class CaptureWriter:
                 rest.append(self._queue.get_nowait())
             rest.extend(self._waiting.values())  # their predictions never ended
             self._waiting.clear()
-            if rest:
-                self._write(rest)
+            if rest:  # off the loop as well: the stop may flush a full queue
+                await asyncio.to_thread(self._write, rest)
             raise
 
     async def flushed(self) -> None:

@@ -35,7 +35,7 @@ class Ticket:
 
     call: Call
     trace: RequestTrace
-    klass: TrafficClass | None = None
+    klass: TrafficClass
     """The request's class (`gateway.classes`; set by `Dispatcher.new_job`): its band is the
     job's priority."""
     future: asyncio.Future[Backend] | None = None
@@ -159,7 +159,7 @@ class Dispatcher:
         """Admit a new job into its model's queue, or raise `QueueFull` / `Shed`
         (`gateway.classes.Admission`); a full queue may evict a less urgent waiting job."""
         ticket: Ticket = job.ctx
-        klass = self._klass(ticket)
+        klass = ticket.klass
         victim = self._admission.admit(job, klass)
         model = ticket.call.model
         try:
@@ -180,7 +180,7 @@ class Dispatcher:
         gone) the job is withdrawn and any slot granted meanwhile is given back."""
         ticket: Ticket = job.ctx
         assert ticket.future is not None
-        timeout_s = self._klass(ticket).queue_timeout_s or self._config.queue_timeout_s
+        timeout_s = ticket.klass.queue_timeout_s or self._config.queue_timeout_s
         try:
             await asyncio.wait({ticket.future}, timeout=timeout_s)
         except asyncio.CancelledError:
@@ -280,17 +280,14 @@ class Dispatcher:
         """Evict a waiting job to make room: its `wait` raises `Shed` (429, Retry-After)."""
         ticket: Ticket = victim.ctx
         assert ticket.future is not None and not ticket.future.done()
-        ticket.future.set_exception(self._admission.shed_error(self._klass(ticket)))
+        ticket.future.set_exception(self._admission.shed_error(ticket.klass))
         self.finish(victim)
 
     def _left_waiting(self, job: Job) -> None:
         """`job` no longer waits for its first dispatch (granted, or over)."""
-        klass = self._klass(job.ctx)
+        klass = job.ctx.klass
         self._admission.left(job, klass)
         self._class_depth(klass)
-
-    def _klass(self, ticket: Ticket) -> TrafficClass:
-        return ticket.klass or self.classes.default
 
     def _class_depth(self, klass: TrafficClass) -> None:
         self._metrics.class_depth.labels(klass.name).set(self._admission.waiting_of(klass))

@@ -313,18 +313,17 @@ class GatewayMetrics:
             self.tenant_output_tokens.labels(c, tenant).inc(t.output_tokens)
         if t.dispatched is not None:
             self.class_queue_wait.labels(t.model, c).observe(t.dispatched - t.arrived)
-        completed = t.outcome is Outcome.COMPLETED and t.finished is not None
+        last = t.finished if t.outcome is Outcome.COMPLETED else None
         if t.first_token is not None:
             self.class_ttft.labels(t.model, c).observe(t.first_token - t.arrived)
-            if completed:
-                assert t.finished is not None
-                self.class_ttlt.labels(t.model, c).observe(t.finished - t.arrived)
+            if last is not None:
+                self.class_ttlt.labels(t.model, c).observe(last - t.arrived)
         if t.outcome not in SLO_JUDGED:
             return
         ttft_slo, ttlt_slo = self._slos.get(c, (None, None))
         for slo, target, at in (
             ("ttft", ttft_slo, t.first_token),
-            ("ttlt", ttlt_slo, t.finished if completed else None),
+            ("ttlt", ttlt_slo, last),
         ):
             if target is not None:
                 met = at is not None and at - t.arrived <= target

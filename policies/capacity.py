@@ -114,8 +114,8 @@ class CapLaw:
             raise ValueError("need min_iterations >= 0")
         if not 0 < self.step <= self.max_step:
             raise ValueError("need 0 < step <= max_step")
-        if self.dwell < 1 or self.settle < 0 or self.step <= 0 or not 0 < self.backoff < 1:
-            raise ValueError("need dwell >= 1, settle >= 0, step > 0, 0 < backoff < 1")
+        if self.dwell < 1 or self.settle < 0 or not 0 < self.backoff < 1:
+            raise ValueError("need dwell >= 1, settle >= 0, 0 < backoff < 1")
 
 
 class CapController:

@@ -66,9 +66,11 @@ def row(title: str, y: int, repeat: str | None = None) -> dict[str, Any]:
     return out
 
 
-def quantiles(record: str, selector: str, legend: str) -> list[tuple[str, str]]:
-    """p50/p95/p99 of a recorded quantile family."""
-    return [(f"{record}:{q}{{{selector}}}", f"{q} {legend}") for q in ("p50", "p95", "p99")]
+def quantiles(
+    record: str, selector: str, legend: str, qs: tuple[str, ...] = ("p50", "p95", "p99")
+) -> list[tuple[str, str]]:
+    """The `qs` (default p50/p95/p99) of a recorded quantile family."""
+    return [(f"{record}:{q}{{{selector}}}", f"{q} {legend}") for q in qs]
 
 
 def dashed(regex: str) -> dict[str, Any]:
@@ -212,12 +214,10 @@ def class_row(y: int) -> list[dict[str, Any]]:
         row("Class $class", y, repeat="class"),
         panel("Time to first token ($class)",
               "Arrival at the gateway to the first token relayed, this class's requests.",
-              [(f"{ttft}:{q}{{{MC}}}", f"{q} {{{{model}}}}") for q in ("p50", "p99")], "s",
-              (0, y + 1, 8, 8)),
+              quantiles(ttft, MC, "{{model}}", ("p50", "p99")), "s", (0, y + 1, 8, 8)),
         panel("Time to last token ($class)",
               "Arrival to the last token relayed, completed requests of this class.",
-              [(f"{ttlt}:{q}{{{MC}}}", f"{q} {{{{model}}}}") for q in ("p50", "p99")], "s",
-              (8, y + 1, 8, 8)),
+              quantiles(ttlt, MC, "{{model}}", ("p50", "p99")), "s", (8, y + 1, 8, 8)),
         panel("Outcomes ($class)",
               "Terminal states of this class's requests; shed = refused or evicted from a "
               "full queue (429), queue_full = the class's or the gateway's bound.",

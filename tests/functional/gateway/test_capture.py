@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
+from fixtures.gateway_fixtures import StartGateway
 
-from gateway.app import create_app
-from gateway.config import build
 from loadgen.traces import load_windows
 from loadgen.traces.capture import capture_summary, read_capture
 from loadgen.traces.cli import main as traces_main
@@ -29,16 +27,11 @@ def body(n: int, stream: bool = False) -> dict[str, Any]:
 
 
 async def test_capture_records_traffic_and_reads_back_as_a_trace(
-    start_emulator: StartEmulator, tmp_path: Path, capsys: Any
+    start_emulator: StartEmulator, start_gateway: StartGateway, tmp_path: Path, capsys: Any
 ) -> None:
     emu = await start_emulator(time_scale=0.05)
-    cfg = build({"backends": [{"url": emu}], "policy": "fcfs", "port": 1,
-                 "capture": {"dir": str(tmp_path / "cap")}})  # fmt: skip
-    runner = web.AppRunner(create_app(cfg), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    gw = await start_gateway([emu], policy="fcfs", capture={"dir": str(tmp_path / "cap")})
+    url = f"{gw.url}/v1/chat/completions"
     try:
         async with aiohttp.ClientSession() as s:
             for n in (3, 5, 7):
@@ -48,7 +41,7 @@ async def test_capture_records_traffic_and_reads_back_as_a_trace(
             async with s.post(url, json={"model": MODEL}) as r:  # no messages: 400
                 assert r.status == 400
     finally:
-        await runner.cleanup()  # stopping flushes the writer
+        await gw.stop()  # stopping flushes the writer
     files = list((tmp_path / "cap").glob("capture-*.jsonl"))
     assert len(files) == 1
     raw = files[0].read_text()

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.capture import CaptureWriter, encode_embedding, record_of
 from gateway.cli import build_parser, overrides
-from gateway.config import CaptureSettings, ConfigError
+from gateway.config import CaptureSettings, ConfigError, TrafficClass
 from gateway.dispatcher import Ticket
 from gateway.errors import Outcome
 from gateway.metrics import RequestTrace
@@ -101,7 +101,7 @@ async def _stop(task: asyncio.Task[None]) -> None:
 
 def _ticket(i: int, vector: object = None) -> Ticket:
     call = parse_call("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    ticket = Ticket(call, _trace(i))
+    ticket = Ticket(call, _trace(i), TrafficClass("standard"))
     ticket.prompt_vector = vector
     return ticket
 
