@@ -171,11 +171,7 @@ Row = dict[str, Figures]
 def run(reqs: Sequence[TraceRequest], spec: str, sigma: float, end_s: float) -> Row:
     """Figures per group (the bands, then each tenant) of one simulation."""
     res = simulate(reqs, contender(spec), PROFILE, belief_sigma=sigma)
-    groups: dict[str, list[RequestRecord]] = {}
-    for rec, req in zip(res.records, reqs, strict=True):
-        groups.setdefault("interactive" if req.priority == 0 else "batch band", []).append(rec)
-        groups.setdefault(req.tenant or "", []).append(rec)
-    return {name: figures(recs, end_s) for name, recs in groups.items()}
+    return groups(res.records, reqs, end_s)
 
 
 def alone(reqs: Sequence[TraceRequest], band: str) -> list[TraceRequest]:
@@ -341,6 +337,7 @@ def live(args: argparse.Namespace) -> None:
 
 
 def groups(records: Sequence[RequestRecord], trace: Sequence[TraceRequest], end: float) -> Row:
+    """Figures per group: the bands, then each tenant (`records[i]` is `trace[i]`'s)."""
     by: dict[str, list[RequestRecord]] = {}
     for rec, req in zip(records, trace, strict=True):
         by.setdefault("interactive" if req.priority == 0 else "batch band", []).append(rec)

@@ -40,13 +40,14 @@ sys.path.insert(0, str(ROOT))
 
 from loadgen.replay.cli import run  # noqa: E402
 from loadgen.replay.client import ReplayRequest  # noqa: E402
-from loadgen.replay.prompts import build_requests, synthetic_window, tokenize_counter  # noqa: E402
+from loadgen.replay.prompts import build_requests, tokenize_counter  # noqa: E402
 from loadgen.replay.report import summarize_replay  # noqa: E402
 from loadgen.replay.validation import (  # noqa: E402
     LIVE_WINDOW,
     GatewayArm,
     tagged,
     through_gateway,
+    warm_up,
     window_trace,
 )
 from loadgen.vllm_real import CACHE, RealVllm, split_cpus  # noqa: E402
@@ -105,10 +106,9 @@ def _requests(servers: list[RealVllm]) -> list[ReplayRequest]:
     count = tokenize_counter(servers[0].url, servers[0].name)
     trace = window_trace(**LIVE_WINDOW)  # type: ignore[arg-type]
     reqs = build_requests(trace, prompts="sample", count_tokens=count, pad=True)
-    warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
     for s in servers:
         with s.quiet():
-            run(s.url, s.name, warm, progress=False)
+            warm_up(s.url, s.name)
     return reqs
 
 

@@ -46,7 +46,7 @@ from loadgen.metrics import summarize  # noqa: E402
 from loadgen.regions import compress  # noqa: E402
 from loadgen.replay.cli import run  # noqa: E402
 from loadgen.replay.client import ReplayRequest  # noqa: E402
-from loadgen.replay.prompts import build_requests, synthetic_window  # noqa: E402
+from loadgen.replay.prompts import build_requests  # noqa: E402
 from loadgen.replay.reversal_check import (  # noqa: E402
     VLLM_ARMS,
     cpu_load_factor,
@@ -56,6 +56,7 @@ from loadgen.replay.reversal_check import (  # noqa: E402
     supported_reversals,
     window_diffs,
 )
+from loadgen.replay.validation import warm_up  # noqa: E402
 from loadgen.schema import TraceRequest, Window  # noqa: E402
 from loadgen.sim.simulator import Contender, simulate  # noqa: E402
 from loadgen.study.grid import SOURCE_LABELS, cell_metrics, read_rows, windows_of  # noqa: E402
@@ -143,8 +144,7 @@ def prepare(
 def _requests(trace: list[TraceRequest], contender: str, seed: int) -> list[ReplayRequest]:
     reqs = build_requests(trace, prompts="ids", seed=seed)
     if VLLM_ARMS[contender].priority_by_prompt:
-        reqs = [ReplayRequest(r.arrival_s, r.prompt, r.prompt_tokens, r.output_tokens,
-                              r.deadline_s, priority=r.prompt_tokens) for r in reqs]  # fmt: skip
+        reqs = [dataclasses.replace(r, priority=r.prompt_tokens) for r in reqs]
     return reqs
 
 
@@ -163,10 +163,9 @@ def vllm_servers(args: argparse.Namespace) -> Iterator[dict[str, RealVllm]]:
             )  # fmt: skip
             print(f"server {name} ready ({time.monotonic() - t0:.0f} s)", flush=True)
         os.sched_setaffinity(0, front)
-        warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
         for s in servers.values():
             with s.quiet():
-                run(s.url, s.name, warm, progress=False)
+                warm_up(s.url, s.name)
         yield servers
 
 

@@ -35,6 +35,16 @@ REGIONS: dict[str, float] = {
 KNEE_DIR = Path(__file__).resolve().parent / "data" / "knees"
 KNEE_THRESHOLD = 0.005
 """FCFS SLO-violation rate that defines the knee."""
+SLO_MULTIPLIER = 20.0
+PREFILL_TOKEN_S = 0.0004
+DECODE_TOKEN_S = 0.02
+"""The paper's SLO: deadline = arrival + 20 × (0.0004 s × prompt + 0.02 s × predicted output),
+on the window's own clock (REFERENCE.md §2)."""
+
+
+def slo_deadline(arrival_s: float, prompt: int, predicted: float) -> float:
+    """The paper's SLO deadline (window clock, seconds)."""
+    return arrival_s + SLO_MULTIPLIER * (PREFILL_TOKEN_S * prompt + DECODE_TOKEN_S * predicted)
 
 
 def compress(

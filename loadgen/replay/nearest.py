@@ -52,8 +52,7 @@ class NearestPrompts:
                 f"captured embeddings have {q.shape[1]} dimensions, the shipped prompts' "
                 f"{self.vectors.shape[1]}: the capture was made with another embedding model"
             )
-        norms = np.linalg.norm(q, axis=1, keepdims=True)
-        best = np.argmax((q / np.maximum(norms, 1e-12)) @ self.vectors.T, axis=1)
+        best = np.argmax(_normalised(q) @ self.vectors.T, axis=1)
         for i, b in zip(have, best, strict=True):
             out[i] = self.rows[int(b)]
         return out
@@ -115,11 +114,12 @@ def nearest_requests(
 
 
 def default_cache_dir() -> Path:
-    """Where the shipped prompts' embeddings are cached."""
-    if base := os.environ.get("SAGESCHED_CACHE_DIR"):
-        return Path(base) / "prompt-embeddings"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "sagesched" / "prompt-embeddings"
+    """Where the shipped prompts' embeddings are cached: beside the predictor's ONNX exports,
+    in the one cache folder the predictor resolves (`predictor.onnx_export.default_cache_dir`
+    is its `onnx` subfolder)."""
+    from predictor.onnx_export import default_cache_dir as onnx_cache_dir
+
+    return onnx_cache_dir().parent / "prompt-embeddings"
 
 
 def _normalised(vectors: Vectors) -> Vectors:

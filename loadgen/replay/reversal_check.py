@@ -26,16 +26,11 @@ from typing import TYPE_CHECKING
 
 from loadgen.engine.configs import EngineConfig, engine_config
 from loadgen.engine.profiles import LatencyProfile
+from loadgen.regions import REGIONS, find_knee, slo_deadline
 from loadgen.schema import TraceRequest, Window
 
 if TYPE_CHECKING:
     from loadgen.study.grid import Row
-
-SLO_MULTIPLIER = 20.0
-PREFILL_TOKEN_S = 0.0004
-DECODE_TOKEN_S = 0.02
-"""The paper's SLO: deadline = arrival + 20 × (0.0004 s × prompt + 0.02 s × predicted output),
-on the window's own clock (REFERENCE.md §2)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +67,9 @@ def supported_reversals(
 
     grid = analysis.build(rows, tuple(policies or HEADLINE_POLICIES))
     found = analysis.reversals(grid, axis, [metric], n_boot=n_boot or stats.N_BOOT)
+    col = {p: i for i, p in enumerate(grid.policies)}
     out = []
     for m, region, a, b, t in found.supported:
-        col = {p: i for i, p in enumerate(grid.policies)}
         rel = []
         for source in (a, b):
             means = stats.policy_means(grid.get(axis, source, region, m))
@@ -179,11 +174,6 @@ def vllm_args(contender: str) -> tuple[str, ...]:
     return VLLM_ARMS[contender].flags
 
 
-def slo_deadline(arrival_s: float, prompt: int, predicted: float) -> float:
-    """The paper's SLO deadline (window clock, seconds)."""
-    return arrival_s + SLO_MULTIPLIER * (PREFILL_TOKEN_S * prompt + DECODE_TOKEN_S * predicted)
-
-
 def scaled_trace(window: Window, n: int, max_prompt: int, max_output: int) -> list[TraceRequest]:
     """The first `n` requests of `window` with prompts and outputs capped, prediction scaled
     with the output (same relative error) and the paper's SLO recomputed on the capped lengths
@@ -207,7 +197,6 @@ def cpu_load_factor(
     machine (the emulator's engine configuration, FCFS, nothing held) as the knee's
     reference, as the study's knee uses FCFS on the paper's engine."""
     from loadgen.emulator import EmulatorConfig
-    from loadgen.regions import REGIONS, find_knee
     from loadgen.sim.simulator import Contender
     from policies.registry import parse_policy
 

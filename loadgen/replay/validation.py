@@ -154,6 +154,16 @@ def tagged(requests: Sequence[ReplayRequest], tag: str) -> list[ReplayRequest]:
     return [dataclasses.replace(r, prompt=f"{tag} {r.prompt}") for r in requests]
 
 
+def warm_up(url: str, model: str) -> None:
+    """Send a fresh server 30 short requests (6/s) before anything on it is measured: a vLLM
+    CPU server is slow on its first batch shapes."""
+    from loadgen.replay.cli import run
+    from loadgen.replay.prompts import build_requests, synthetic_window
+
+    warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
+    run(url, model, warm, progress=False)
+
+
 def through_gateway(
     backend: str, model: str, requests: Sequence[ReplayRequest], arm: GatewayArm, tmp: Path
 ) -> tuple[list[ReplayResult], int]:

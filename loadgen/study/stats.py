@@ -97,7 +97,9 @@ class Estimate:
         return f"{self.value:.{digits}f} [{self.lo:.{digits}f}, {self.hi:.{digits}f}]"
 
 
-def _interval(samples: Sequence[float] | np.ndarray, value: float) -> Estimate:
+def interval(samples: Sequence[float] | np.ndarray, value: float) -> Estimate:
+    """`value` with the 2.5-97.5 percentile interval of `samples` (NaN samples left out; a
+    NaN interval when none is left or `value` is NaN)."""
     s = np.asarray(samples, dtype=np.float64)
     s = s[~np.isnan(s)]
     if s.size == 0 or math.isnan(value):
@@ -153,7 +155,7 @@ def tau_between(
     rng = np.random.default_rng(seed)
     ma = boot_means(a, boot_indices(a.shape[0], n_boot, rng))
     mb = boot_means(b, boot_indices(b.shape[0], n_boot, rng))
-    return _interval(rows(ma, mb), value)
+    return interval(rows(ma, mb), value)
 
 
 def bootstrap_p(samples: np.ndarray) -> float:
@@ -317,4 +319,4 @@ def pooled_gain(
     for k, (a, b) in enumerate(pairs):
         idx = boot_indices(len(a), n_boot, rng)
         boots[:, k] = np.asarray(a)[idx].mean(axis=1) / np.asarray(b)[idx].mean(axis=1)
-    return _interval(gain(boots), float(point))
+    return interval(gain(boots), float(point))

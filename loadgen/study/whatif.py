@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.regions import REGIONS, factor_for_utilisation, find_knee
+from loadgen.regions import REGIONS, factor_for_utilisation, find_knee, slo_deadline
 from loadgen.schema import TraceRequest, Window
 from loadgen.study import analysis, stats
 from loadgen.study.grid import (
@@ -59,7 +59,7 @@ def paper_fields(requests: Sequence[TraceRequest], seed: int) -> list[TraceReque
     out = []
     for r, z in zip(requests, noise, strict=True):
         predicted = max(1, round(r.output_tokens * float(z)))
-        deadline = r.arrival_s + 20 * (0.0004 * r.prompt_tokens + 0.02 * predicted)
+        deadline = slo_deadline(r.arrival_s, r.prompt_tokens, predicted)
         out.append(dataclasses.replace(r, predicted_output_tokens=predicted, deadline_s=deadline))
     return out
 
@@ -159,21 +159,13 @@ def standings(grid: analysis.Grid, region: str, *, n_boot: int = stats.N_BOOT) -
     return [
         Standing(
             grid.policies[j],
-            _estimate(means_a[j], boot_a[:, j]),
-            _estimate(-means_l[j], -boot_l[:, j]),
+            stats.interval(boot_a[:, j], float(means_a[j])),
+            stats.interval(-boot_l[:, j], float(-means_l[j])),
             bool(tied_a[j]),
             bool(tied_l[j]),
         )
         for j in order
     ]
-
-
-def _estimate(value: float, samples: np.ndarray) -> stats.Estimate:
-    s = samples[~np.isnan(samples)]
-    if s.size == 0 or math.isnan(value):
-        return stats.Estimate(float(value), math.nan, math.nan)
-    lo, hi = np.percentile(s, [2.5, 97.5])
-    return stats.Estimate(float(value), float(lo), float(hi))
 
 
 @dataclasses.dataclass(slots=True)

@@ -116,7 +116,7 @@ def capture_summary(path: Path) -> dict[str, Any]:
     records = read_records(path)
     arrivals = sorted(float(r["arrival_s"]) for r in records)
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-    done = _completed(records, "capture")
+    done = _completed_records(records)
     summary: dict[str, Any] = {
         "files": len(capture_files(path)),
         "records": len(records),
@@ -129,8 +129,8 @@ def capture_summary(path: Path) -> dict[str, Any]:
         "with_embedding": sum(1 for r in records if r.get("embedding") is not None),
     }
     if done:
-        summary["prompt_tokens_mean"] = sum(r.prompt_tokens for r in done) / len(done)
-        summary["output_tokens_mean"] = sum(r.output_tokens for r in done) / len(done)
+        summary["prompt_tokens_mean"] = sum(int(r["prompt_tokens"]) for r in done) / len(done)
+        summary["output_tokens_mean"] = sum(int(r["output_tokens"]) for r in done) / len(done)
     return summary
 
 
