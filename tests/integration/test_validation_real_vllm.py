@@ -38,7 +38,7 @@ import pytest
 
 from loadgen.replay.cli import run
 from loadgen.replay.client import ReplayResult
-from loadgen.replay.prompts import build_requests, synthetic_window, tokenize_counter
+from loadgen.replay.prompts import build_requests, tokenize_counter
 from loadgen.replay.report import summarize_replay
 from loadgen.replay.validation import (
     LIVE_WINDOW,
@@ -47,6 +47,7 @@ from loadgen.replay.validation import (
     simulated_gain,
     tagged,
     through_gateway,
+    warm_up,
     window_trace,
 )
 from loadgen.vllm_real import CACHE, RealVllm
@@ -82,9 +83,7 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     reqs = build_requests(trace, prompts="sample", count_tokens=count, pad=True)
     assert sum(r.prompt_tokens == t.prompt_tokens for r, t in zip(reqs, trace, strict=True)) >= 70
     cap, sweep = recommend_cap(reqs, PROFILE)  # for the simulated comparison only
-    # a fresh vLLM CPU server is slow on its first batch shapes: warm it up first
-    warm = build_requests(synthetic_window(n=30, rate_per_s=6.0, seed=98), prompts="ids")
-    run(server.url, server.name, warm, progress=False)
+    warm_up(server.url, server.name)  # a fresh vLLM CPU server is slow on its first batches
     load = os.getloadavg()[0]
     rounds = []
     for i in range(PAIRS):
