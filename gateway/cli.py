@@ -31,6 +31,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
+    p.add_argument("--workers", type=int,
+                   help="relay processes sharing the port, one scheduling queue per host "
+                   "(default 1: one process)")  # fmt: skip
     p.add_argument("--admin-key", help="bearer token for /admin routes")
     p.add_argument("--api-key", action="append", help="accepted client API key (repeatable)")
     p.add_argument("--max-waiting", type=int, help="queue bound (429 beyond)")
@@ -58,6 +61,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
             "policy",
             "host",
             "port",
+            "workers",
             "admin_key",
             "max_waiting",
             "queue_timeout_s",

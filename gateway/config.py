@@ -183,6 +183,10 @@ class GatewayConfig:
     """Listen address."""
     port: int = 8080
     """Listen port."""
+    workers: int = 1
+    """Processes that relay requests, all listening on `port` (SO_REUSEPORT). 1: one process
+    does everything; N > 1: N workers relay bytes and predict, one scheduling authority per
+    host (this process) keeps one queue per model (`gateway.workers`)."""
     policy: str = "sagesched"
     """Policy spec, `name[:key=value,...]` (see `sagesched policies`)."""
     backends: tuple[BackendConfig, ...] = ()
@@ -241,6 +245,7 @@ ENV_PREFIX = "SAGESCHED_"
 _ENV_KEYS = {
     "HOST": "host",
     "PORT": "port",
+    "WORKERS": "workers",
     "POLICY": "policy",
     "ADMIN_KEY": "admin_key",
     "API_KEYS": "api_keys",
@@ -294,7 +299,7 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"backend url {b.url!r} must start with http:// or https://")
         if b.max_inflight < 1:
             raise ConfigError(f"backends[{b.name}].max_inflight must be >= 1")
-    for key in ("max_waiting", "max_body_bytes", "port"):
+    for key in ("max_waiting", "max_body_bytes", "port", "workers"):
         if getattr(config, key) < 1:
             raise ConfigError(f"{key} must be >= 1")
     if config.queue_timeout_s <= 0:
