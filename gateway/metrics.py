@@ -370,3 +370,54 @@ def scrape_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
             if sample.name in wanted:
                 out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
     return out
+
+
+def merge_expositions(own: bytes, others: Sequence[bytes]) -> bytes:
+    """Several processes' expositions as one process's (`serve --workers N`): `own` is the
+    scheduling authority's, `others` the workers'. Counters and histograms are summed series by
+    series (same names and labels as one process), a `_created` series keeps the earliest
+    start, and gauges come from `own` only: queue depths, in-flight counts, caps and health live
+    in the authority, and a worker's copies of them are not the state."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for i, text in enumerate((own, *others)):
+        for family in text_string_to_metric_families(text.decode()):
+            created = family.name.endswith("_created")
+            if family.type == "gauge" and i > 0 and not created:
+                continue
+            if family.name not in families:
+                families[family.name] = Metric(family.name, family.documentation, family.type)
+                values[family.name] = {}
+            merged = values[family.name]
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if key not in merged:
+                    merged[key] = s.value
+                elif created:
+                    merged[key] = min(merged[key], s.value)
+                else:
+                    merged[key] += s.value
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(families, values))
+    return generate_latest(registry)
+
+
+class _Merged(Collector):
+    """Families rebuilt from merged samples (`merge_expositions`)."""
+
+    def __init__(
+        self,
+        families: dict[str, Metric],
+        values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]],
+    ) -> None:
+        self._families = families
+        self._values = values
+
+    def collect(self) -> Iterator[Metric]:
+        for name, family in self._families.items():
+            for (sample, labels), value in self._values[name].items():
+                family.add_sample(sample, dict(labels), value)
+            yield family
