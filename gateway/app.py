@@ -129,17 +129,15 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     metrics = GatewayMetrics()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    holder: list[Dispatcher] = []
     pool = BackendPool(
         config.backends,
         session,
-        metrics,
-        on_capacity=lambda: holder[0].pump() if holder else None,
         health_interval_s=config.health_interval_s,
         adaptive=config.adaptive_cap,
     )
-    dispatcher = Dispatcher(policy, pool, metrics, config)
-    holder.append(dispatcher)
+    dispatcher = Dispatcher(policy, pool, config)  # listens to the pool's capacity
+    metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
+    metrics.watch(pool, dispatcher)
     predictor = await _start_predictor(app, config, policy.needs_prediction)
     if predictor is not None:
         cache = predictor.embedder.cache

@@ -13,6 +13,10 @@ slow-starting); a failed scrape is skipped, a missing series is unknown (not 0),
 with several engines (label `engine`) counts the sum of their queues and counters and the
 fullest engine's KV. The cap starts at the backend's `max_inflight` and stays within the
 adaptive config's [min_inflight, max_inflight].
+
+Capacity changes (a slot released, a backend turned healthy, a cap grown) are announced to the
+listeners (`listen`: the dispatcher's `pump`). What the metrics show (in-flight, cap, health)
+is read off the `Backend` objects when Prometheus scrapes (`gateway.metrics`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from gateway.config import AdaptiveCapConfig, BackendConfig
-from gateway.metrics import GatewayMetrics
 from policies.capacity import CapController, CapLaw, EngineSample, combine_kv
 
 log = logging.getLogger(__name__)
@@ -120,9 +123,7 @@ class BackendPool:
         self,
         configs: Iterable[BackendConfig],
         session: aiohttp.ClientSession,
-        metrics: GatewayMetrics,
         *,
-        on_capacity: Callable[[], None],
         health_interval_s: float,
         adaptive: AdaptiveCapConfig,
     ) -> None:
@@ -135,15 +136,19 @@ class BackendPool:
                 b.controller = CapController(law, b.cap)
                 b.cap = b.controller.cap
         self._session = session
-        self._metrics = metrics
-        self._on_capacity = on_capacity
+        self._listeners: list[Callable[[], None]] = []
         self._interval = health_interval_s
         self._adaptive = adaptive
         self._tasks: list[asyncio.Task[None]] = []
-        for b in self.backends:
-            metrics.cap.labels(b.name).set(b.cap)
-            metrics.inflight.labels(b.name).set(0)
-            metrics.healthy.labels(b.name).set(0)
+
+    def listen(self, on_capacity: Callable[[], None]) -> None:
+        """Call `on_capacity()` whenever a slot may have opened (a release, a backend turning
+        healthy, a cap growing)."""
+        self._listeners.append(on_capacity)
+
+    def _capacity(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -197,20 +202,17 @@ class BackendPool:
 
     def acquire(self, b: Backend) -> None:
         b.inflight += 1
-        self._metrics.inflight.labels(b.name).set(b.inflight)
 
     def release(self, b: Backend) -> None:
         b.inflight -= 1
         b.finished += 1
-        self._metrics.inflight.labels(b.name).set(b.inflight)
-        self._on_capacity()
+        self._capacity()
 
     def mark_down(self, b: Backend) -> None:
         """A request just failed to reach `b`: stop routing to it until a check passes."""
         if b.healthy:
             log.warning("backend %s marked down after a failed request", b.name)
         b.healthy = False
-        self._metrics.healthy.labels(b.name).set(0)
 
     # -- health and caps ----------------------------------------------------------------
 
@@ -230,10 +232,9 @@ class BackendPool:
             ok = False
         was = b.healthy
         b.healthy = ok
-        self._metrics.healthy.labels(b.name).set(1 if ok else 0)
         if ok and not was:
             log.info("backend %s healthy; models %s", b.name, sorted(b.models))
-            self._on_capacity()
+            self._capacity()
 
     async def _discover(self, b: Backend) -> None:
         status, text = await self._get(b, "/v1/models")
@@ -276,6 +277,5 @@ class BackendPool:
         log.info("backend %s cap %d -> %d", b.name, b.cap, new)
         grew = new > b.cap
         b.cap = new
-        self._metrics.cap.labels(b.name).set(new)
         if grew:
-            self._on_capacity()
+            self._capacity()

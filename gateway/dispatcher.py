@@ -4,11 +4,16 @@ One `policies.Scheduler` per model holds every waiting request for that model (a
 serving several models offers each freed slot to the models' queue heads in turn); the
 scheduler is the same object the simulator drives, so the gateway makes the simulator's
 decisions. Time is `time.monotonic()` seconds. Everything here runs on the event loop and
-never awaits while it holds no lock: state changes are synchronous, so no locks are needed.
+never awaits while it changes state: state changes are synchronous, so no locks are needed.
 
-A request's life: `submit` (admit, or 429) → `wait` (until a backend slot is granted, 503 on
-timeout, withdrawn if the client leaves) → `progress` per streamed token (at review
-points, maybe preempt someone) → `finish`, or `requeue` (preempted / retry elsewhere).
+A request's whole life in the queue is one `LocalSlot` (`dispatcher.slot(job)`, the contract
+is `gateway.slot.Slot`): enter = admit (or 429), `granted()` = wait for a backend slot (503 on
+timeout, 429 if shed), `tokens(n)` = progress (at review points, maybe preempt someone),
+`ended(...)` = the attempt's outcome (completed, preempted, retry elsewhere), exit = finish.
+The dispatcher never calls the relay: a preemption stops the victim's `PreemptWindow`.
+
+What it counts for the metrics is plain data (`preemptions`, `retries`, `queue_depths`,
+`class_depths`), read by `gateway.metrics` when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -17,42 +22,93 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from gateway.backends import Backend, BackendPool
 from gateway.classes import Admission, Classes
 from gateway.config import GatewayConfig, TrafficClass
 from gateway.errors import QueueTimeout, UpstreamFailed
-from gateway.metrics import GatewayMetrics, RequestTrace
+from gateway.metrics import RequestTrace
 from gateway.openai_api import Call
+from gateway.slot import Attempt, Grant, PreemptWindow
 from policies import Job, LengthDist, Policy, Scheduler
 
 
 @dataclass(eq=False)
 class Ticket:
-    """The gateway's side of a job (`Job.ctx`)."""
+    """The gateway's side of a job (`Job.ctx`): what the request is and what it recorded."""
 
     call: Call
     trace: RequestTrace
     klass: TrafficClass
     """The request's class (`gateway.classes`; set by `Dispatcher.new_job`): its band is the
     job's priority."""
-    future: asyncio.Future[Backend] | None = None
-    backend: Backend | None = None
-    priority: int | None = None
-    """vLLM priority to send with this dispatch, if forwarding is on for the backend."""
-    excluded: set[str] = field(default_factory=set)
-    """Backends that failed this request before its first byte."""
-    preempt_requested: bool = False
-    abort_upstream: Callable[[], None] | None = None
-    """Closes the current upstream response (set by the relay while streaming)."""
-    finished: bool = False
-    """`Dispatcher.finish` ran (it must run exactly once)."""
     prompt_vector: Any = None
     """The prompt's embedding once the predictor made it; learning the true length reuses it."""
     refining: asyncio.Task[None] | None = None
     """The prediction running beside the request (a job that could start at once)."""
+
+
+class LocalSlot:
+    """A `gateway.slot.Slot` of a dispatcher in this process (the contract is there).
+
+    Holds the job's queue state: the pending grant, the backend it holds, the backends that
+    failed it, the open preemption window. Every call goes straight to the dispatcher (no
+    message, no copy), so `tokens` costs one `Scheduler.progress`. A scheduling authority
+    serving relays in other processes can drive one of these per remote request."""
+
+    __slots__ = (
+        "_dispatcher",
+        "backend",
+        "excluded",
+        "finished",
+        "future",
+        "job",
+        "review_at",
+        "window",
+    )
+
+    def __init__(self, dispatcher: Dispatcher, job: Job) -> None:
+        self._dispatcher = dispatcher
+        self.job = job
+        self.review_at: int | None = None
+        self.future: asyncio.Future[Grant] | None = None
+        """The next grant (or the `Shed` error of an evicted job)."""
+        self.backend: Backend | None = None
+        """The backend slot held now."""
+        self.excluded: set[str] = set()
+        """Backends that failed this request before its first byte."""
+        self.window: PreemptWindow | None = None
+        """The current attempt's preemption window (open while the relay reads a stream)."""
+        self.finished = False
+        """The dispatcher let the job go (it must, exactly once)."""
+
+    async def __aenter__(self) -> LocalSlot:
+        self._dispatcher._admit(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._dispatcher._finish(self)
+
+    async def granted(self) -> Grant:
+        return await self._dispatcher._granted(self)
+
+    def tokens(self, n: int) -> None:
+        self._dispatcher._progress(self, n)
+
+    def preemptible(self) -> PreemptWindow:
+        self.window = PreemptWindow()
+        return self.window
+
+    def ended(self, attempt: Attempt, *, backend_down: bool = False) -> None:
+        self._dispatcher._ended(self, attempt, backend_down)
 
 
 class Dispatcher:
@@ -60,29 +116,34 @@ class Dispatcher:
 
     The configured policy runs inside the classes' bands (`Classes.compose`: bands, tenant
     fairness, then the policy), the composition the simulator runs too; metrics keep the
-    configured policy's label."""
+    configured policy's label. Listens to the pool's capacity changes (`BackendPool.listen`)."""
 
     def __init__(
         self,
         policy: Policy,
         pool: BackendPool,
-        metrics: GatewayMetrics,
         config: GatewayConfig,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.classes = Classes(config.classes)
         self._template = self.classes.compose(policy)
         self._pool = pool
-        self._metrics = metrics
         self._config = config
         self._clock = clock
         self._ids = itertools.count(1)
         self._schedulers: dict[str, Scheduler] = {}
+        self._slots: dict[int, LocalSlot] = {}
+        """Admitted jobs not yet finished, by job id."""
         self.label = policy.label()
         self._admission = Admission(
             self.classes, config.max_waiting, config.retry_after_s, self.waiting
         )
-        metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
+        self.preemptions: dict[tuple[str, str], int] = {}
+        """(model, backend) → running requests preempted; at zero once the model has a
+        scheduler."""
+        self.retries: dict[tuple[str, str], int] = {}
+        """(model, backend) → requests retried elsewhere after the backend failed them."""
+        pool.listen(self.pump)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -92,6 +153,14 @@ class Dispatcher:
 
     def waiting(self) -> int:
         return sum(len(s.queue) for s in self._schedulers.values())
+
+    def queue_depths(self) -> dict[str, int]:
+        """Waiting requests per model (models that have a scheduler)."""
+        return {model: len(s.queue) for model, s in self._schedulers.items()}
+
+    def class_depths(self) -> dict[str, int]:
+        """Requests of each configured class waiting for their first dispatch."""
+        return {name: self._admission.waiting_of(c) for name, c in self.classes.by_name.items()}
 
     def can_start_now(self, model: str) -> bool:
         """Would a job for `model` be dispatched the moment it is admitted (nothing of that
@@ -104,8 +173,9 @@ class Dispatcher:
         if sched is None:
             sched = self._schedulers[model] = Scheduler(self._template)
             for b in self._pool.backends:
-                if model in b.models:
-                    self._metrics.declare(model, b.name, self.label)
+                if model in b.models:  # counted from zero, so the first event is an increase
+                    self.preemptions.setdefault((model, b.name), 0)
+                    self.retries.setdefault((model, b.name), 0)
         return sched
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -155,9 +225,21 @@ class Dispatcher:
             ctx=Ticket(call=call, trace=trace, klass=klass),
         )
 
-    def submit(self, job: Job) -> None:
+    def slot(self, job: Job) -> LocalSlot:
+        """`job`'s slot: `async with dispatcher.slot(job) as slot` admits it (`gateway.slot`)."""
+        return LocalSlot(self, job)
+
+    def resized(self, job: Job) -> None:
+        """`job.prompt_tokens` changed (the backend's tokenizer counted the prompt): a waiting
+        job is rekeyed; a running one is compared by its new size from now on."""
+        sched = self._schedulers.get(job.ctx.call.model)
+        if sched is not None and job in sched.queue:
+            sched.queue.rekey(job, self._clock())
+
+    def _admit(self, slot: LocalSlot) -> None:
         """Admit a new job into its model's queue, or raise `QueueFull` / `Shed`
         (`gateway.classes.Admission`); a full queue may evict a less urgent waiting job."""
+        job = slot.job
         ticket: Ticket = job.ctx
         klass = ticket.klass
         victim = self._admission.admit(job, klass)
@@ -167,83 +249,82 @@ class Dispatcher:
         except BaseException:
             self._admission.left(job, klass)
             raise
-        job.ctx.future = asyncio.get_running_loop().create_future()
+        slot.future = asyncio.get_running_loop().create_future()
+        self._slots[job.id] = slot
         if victim is not None:  # room made only once the arrival is in
-            self._shed(victim)
-        self._class_depth(klass)
-        self._queue_changed(model)
+            self._shed(self._slots[victim.id])
         self.pump()
         self._consider_preemption(model)
 
-    async def wait(self, job: Job) -> Backend:
-        """Until a backend slot is granted. Raises `QueueTimeout`; on cancellation (client
-        gone) the job is withdrawn and any slot granted meanwhile is given back."""
-        ticket: Ticket = job.ctx
-        assert ticket.future is not None
-        timeout_s = ticket.klass.queue_timeout_s or self._config.queue_timeout_s
-        try:
-            await asyncio.wait({ticket.future}, timeout=timeout_s)
-        except asyncio.CancelledError:
-            self._withdraw(job)
-            raise
-        if not ticket.future.done():
-            self._withdraw(job)
-            raise QueueTimeout(f"waited {timeout_s:g} s in the gateway queue without a backend")
-        return ticket.future.result()  # raises `Shed` for a job evicted to make room
+    async def _granted(self, slot: LocalSlot) -> Grant:
+        """Until a backend slot is granted. Raises `QueueTimeout`, or `Shed` for a job evicted
+        to make room; the slot's exit withdraws the job (also when the client leaves)."""
+        future = slot.future
+        assert future is not None
+        if not future.done():
+            klass: TrafficClass = slot.job.ctx.klass
+            timeout_s = klass.queue_timeout_s or self._config.queue_timeout_s
+            await asyncio.wait({future}, timeout=timeout_s)
+            if not future.done():
+                raise QueueTimeout(f"waited {timeout_s:g} s in the gateway queue without a backend")
+        return future.result()
 
-    def resized(self, job: Job) -> None:
-        """`job.prompt_tokens` changed (the backend's tokenizer counted the prompt): a waiting
-        job is rekeyed; a running one is compared by its new size from now on."""
-        sched = self._schedulers.get(job.ctx.call.model)
-        if sched is not None and job in sched.queue:
-            sched.queue.rekey(job, self._clock())
-
-    def progress(self, job: Job, tokens: int) -> None:
+    def _progress(self, slot: LocalSlot, tokens: int) -> None:
         """`tokens` more output tokens were relayed for a running job."""
-        sched = self.scheduler(job.ctx.call.model)
+        job = slot.job
+        model = job.ctx.call.model
+        sched = self._schedulers[model]
         if sched.progress(job, tokens, self._clock()):
-            self._consider_preemption(job.ctx.call.model)
+            slot.review_at = sched.policy.next_review(job)
+            self._consider_preemption(model)
 
-    def finish(self, job: Job) -> None:
+    def _ended(self, slot: LocalSlot, attempt: Attempt, backend_down: bool) -> None:
+        if attempt is Attempt.COMPLETED:
+            self._finish(slot)
+        elif attempt is Attempt.PREEMPTED:
+            self._requeue(slot, preempted=True)
+        else:
+            self._retry_elsewhere(slot, backend_down=backend_down)
+
+    def _finish(self, slot: LocalSlot) -> None:
         """The job is over (whatever the outcome); frees its slot if it held one. Idempotent."""
-        ticket: Ticket = job.ctx
-        if ticket.finished:
+        if slot.finished:
             return
-        ticket.finished = True
-        self._left_waiting(job)
-        self.scheduler(ticket.call.model).finish(job, self._clock())
-        self._queue_changed(ticket.call.model)
-        backend, ticket.backend = ticket.backend, None
-        if backend is not None:
-            self._pool.release(backend)
-
-    def requeue(self, job: Job, *, preempted: bool) -> None:
-        """Give the slot back and wait again (after a preemption)."""
+        slot.finished = True
+        job = slot.job
         ticket: Ticket = job.ctx
-        backend, ticket.backend = ticket.backend, None
-        self.scheduler(ticket.call.model).requeue(job, self._clock(), preempted=preempted)
-        ticket.future = asyncio.get_running_loop().create_future()
-        ticket.preempt_requested = False
-        self._queue_changed(ticket.call.model)
+        self._slots.pop(job.id, None)
+        self._admission.left(job, ticket.klass)
+        self.scheduler(ticket.call.model).finish(job, self._clock())
+        backend, slot.backend = slot.backend, None
         if backend is not None:
             self._pool.release(backend)  # pumps
 
-    def retry_elsewhere(self, job: Job, *, backend_down: bool) -> None:
+    def _requeue(self, slot: LocalSlot, *, preempted: bool) -> None:
+        """Give the backend slot back and wait again (after a preemption or a failure)."""
+        job = slot.job
+        backend, slot.backend = slot.backend, None
+        self.scheduler(job.ctx.call.model).requeue(job, self._clock(), preempted=preempted)
+        slot.future = asyncio.get_running_loop().create_future()
+        slot.window = None
+        if backend is not None:
+            self._pool.release(backend)  # pumps
+
+    def _retry_elsewhere(self, slot: LocalSlot, *, backend_down: bool) -> None:
         """The backend failed before the first byte: exclude it and queue again, or raise
         `UpstreamFailed` when no other backend serving the model is left."""
-        ticket: Ticket = job.ctx
-        backend = ticket.backend
+        backend = slot.backend
         assert backend is not None
-        ticket.excluded.add(backend.name)
+        model = slot.job.ctx.call.model
+        slot.excluded.add(backend.name)
         if backend_down:
             self._pool.mark_down(backend)
-        self._metrics.retries.labels(ticket.call.model, backend.name).inc()
-        retries = len(ticket.excluded)
-        if retries > self._config.max_retries or not self._pool.candidates(
-            ticket.call.model, ticket.excluded
-        ):
+        key = (model, backend.name)
+        self.retries[key] = self.retries.get(key, 0) + 1
+        retries = len(slot.excluded)
+        if retries > self._config.max_retries or not self._pool.candidates(model, slot.excluded):
             raise UpstreamFailed(f"no backend could serve the request (tried {retries})")
-        self.requeue(job, preempted=False)
+        self._requeue(slot, preempted=False)
 
     # -- slot granting ------------------------------------------------------------------
 
@@ -252,53 +333,32 @@ class Dispatcher:
         the queue changes)."""
         now = self._clock()
         for model, sched in self._schedulers.items():
-            granted = False
             while (job := sched.queue.peek(now)) is not None:
-                backend = self._pool.pick(model, job.ctx.excluded)
+                backend = self._pool.pick(model, self._slots[job.id].excluded)
                 if backend is None:
                     break
                 sched.dispatch(now)
                 self._grant(sched, job, backend)
-                granted = True
-            if granted:
-                self._queue_changed(model)
 
     def _grant(self, sched: Scheduler, job: Job, backend: Backend) -> None:
-        ticket: Ticket = job.ctx
-        self._left_waiting(job)
+        slot = self._slots[job.id]
+        self._admission.left(job, job.ctx.klass)
         self._pool.acquire(backend)
-        ticket.backend = backend
-        ticket.priority = None
+        slot.backend = backend
+        priority = None
         if self._config.forward_priority and backend.config.priority_scheduling:
             # the key itself, not a rank among the jobs running now: vLLM compares it with
             # jobs granted earlier and later, and a rank means nothing across grants
-            ticket.priority = sched.engine_priority(job, self._clock())
-        assert ticket.future is not None and not ticket.future.done()
-        ticket.future.set_result(backend)
+            priority = sched.engine_priority(job, self._clock())
+        slot.review_at = sched.policy.next_review(job)
+        assert slot.future is not None and not slot.future.done()
+        slot.future.set_result(Grant(backend, priority))
 
-    def _shed(self, victim: Job) -> None:
-        """Evict a waiting job to make room: its `wait` raises `Shed` (429, Retry-After)."""
-        ticket: Ticket = victim.ctx
-        assert ticket.future is not None and not ticket.future.done()
-        ticket.future.set_exception(self._admission.shed_error(ticket.klass))
-        self.finish(victim)
-
-    def _left_waiting(self, job: Job) -> None:
-        """`job` no longer waits for its first dispatch (granted, or over)."""
-        klass = job.ctx.klass
-        self._admission.left(job, klass)
-        self._class_depth(klass)
-
-    def _class_depth(self, klass: TrafficClass) -> None:
-        self._metrics.class_depth.labels(klass.name).set(self._admission.waiting_of(klass))
-
-    def _withdraw(self, job: Job) -> None:
-        """Client gone or timed out while waiting: out of the queue, slot returned if any."""
-        self.finish(job)
-
-    def _queue_changed(self, model: str) -> None:
-        depth = len(self.scheduler(model).queue)
-        self._metrics.queue_depth.labels(model, self.label).set(depth)
+    def _shed(self, victim: LocalSlot) -> None:
+        """Evict a waiting job to make room: its `granted` raises `Shed` (429, Retry-After)."""
+        assert victim.future is not None and not victim.future.done()
+        victim.future.set_exception(self._admission.shed_error(victim.job.ctx.klass))
+        self._finish(victim)
 
     # -- preemption ---------------------------------------------------------------------
 
@@ -310,14 +370,14 @@ class Dispatcher:
         victim = sched.preemption_victim(self._clock(), self._config.preemption_margin)
         if victim is None:
             return
-        ticket: Ticket = victim.ctx
-        if ticket.preempt_requested or not ticket.call.continuable or ticket.abort_upstream is None:
-            return
-        ticket.preempt_requested = True
-        backend = ticket.backend
-        name = backend.name if backend else ""
-        self._metrics.preemptions.labels(model, name, self.label).inc()
-        ticket.abort_upstream()
+        slot = self._slots.get(victim.id)
+        window = None if slot is None else slot.window
+        if window is None or not window.open or not victim.ctx.call.continuable:
+            return  # not streaming now (connecting, whole answer, responses), or stopping
+        assert slot is not None
+        key = (model, slot.backend.name if slot.backend else "")
+        self.preemptions[key] = self.preemptions.get(key, 0) + 1
+        window.preempt()
 
 
 def _describe(

@@ -1,31 +1,37 @@
 """Prometheus metrics: the only module that imports prometheus-client.
 
-The hot path records plain `RequestTrace` objects; `GatewayMetrics.settle` turns one into
-metric updates when the request ends. Each app gets its own `CollectorRegistry`, so tests and
-several gateways in one process never share series. Names carry units and the `sagesched_`
-prefix; histogram edges follow vLLM's own (REFERENCE.md §4) so gateway and engine series can
-be compared bucket for bucket, with a few finer edges below vLLM's first one, where gateway
-overhead lives. Labels are bounded: model (validated against the backends' models), backend
-(from config), policy (one per process), outcome (an enum), code (HTTP status), class (from
-config), tenant (the hashed ids of at most `tenant_labels` busiest tenants, else `other`).
+Nothing on the hot path touches a series. A request records a plain `RequestTrace`;
+`GatewayMetrics.settle` turns it into metric updates when the request ends. The pool and the
+dispatcher keep plain numbers (in-flight, caps, health, queue depths, preemption and retry
+counts) that `_Live` reads when Prometheus scrapes (`GatewayMetrics.watch`). Each app gets
+its own `CollectorRegistry`, so tests and several gateways in one process never share series.
+Names carry units and the `sagesched_` prefix; histogram edges follow vLLM's own (REFERENCE.md
+§4) so gateway and engine series can be compared bucket for bucket, with a few finer edges
+below vLLM's first one, where gateway overhead lives. Labels are bounded: model (validated
+against the backends' models), backend (from config), policy (one per process), outcome (an
+enum), code (HTTP status), class (from config), tenant (the hashed ids of at most
+`tenant_labels` busiest tenants, else `other`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from gateway.errors import Outcome
 
 if TYPE_CHECKING:
+    from gateway.backends import BackendPool
     from gateway.config import TrafficClass
+    from gateway.dispatcher import Dispatcher
 
 # vLLM's edges (vllm/v1/metrics/loggers.py) with finer ones prepended for sub-ms overhead.
 TTFT_BUCKETS_S = (
@@ -170,35 +176,15 @@ class GatewayMetrics:
             "gateway's cache of its counts, or the characters/4 estimate (fallback).",
             ("model", "source"), registry=r,
         )  # fmt: skip
-        self.preemptions = Counter(
-            "sagesched_preemptions", "Running requests preempted and requeued.",
-            ("model", "backend", "policy"), registry=r,
-        )  # fmt: skip
         self.capture_records = Counter(
             "sagesched_capture_records", "Traffic-capture records by result (written, dropped).",
             ("result",), registry=r,
         )  # fmt: skip
         for result in ("written", "dropped"):
             self.capture_records.labels(result)
-        self.retries = Counter(
-            "sagesched_retries", "Requests retried on another backend before the first byte.",
-            ("model", "backend"), registry=r,
-        )  # fmt: skip
-        self.queue_depth = Gauge(
-            "sagesched_queue_depth", "Requests waiting in the gateway queue.",
-            ("model", "policy"), registry=r,
-        )  # fmt: skip
-        self.inflight = Gauge(
-            "sagesched_backend_inflight", "Requests running on a backend.", ("backend",), registry=r
-        )
-        self.cap = Gauge(
-            "sagesched_backend_inflight_cap", "Current in-flight cap of a backend.",
-            ("backend",), registry=r,
-        )  # fmt: skip
-        self.healthy = Gauge(
-            "sagesched_backend_healthy", "1 if the backend passed its last health check.",
-            ("backend",), registry=r,
-        )  # fmt: skip
+        self.live = _Live()
+        """The pool's and the dispatcher's plain numbers, read at scrape time."""
+        r.register(self.live)
         self._class_series(r)
         self._slos: dict[str, tuple[float | None, float | None]] = {}
         self._tenants = TenantLabels(0)
@@ -237,10 +223,6 @@ class GatewayMetrics:
             "Share of a class's requests that must meet its objective (the burn alerts' budget).",
             ("class", "slo"), registry=r,
         )  # fmt: skip
-        self.class_depth = Gauge(
-            "sagesched_class_queue_depth", "Requests of a class waiting for their first dispatch.",
-            ("class",), registry=r,
-        )  # fmt: skip
         self.tenant_requests = Counter(
             "sagesched_tenant_requests",
             "Requests by class and tenant (hashed, the busiest tenants only; the rest: other).",
@@ -256,7 +238,6 @@ class GatewayMetrics:
         self._tenants = TenantLabels(tenant_labels)
         for c in classes:
             self._slos[c.name] = (c.ttft_slo_s, c.ttlt_slo_s)
-            self.class_depth.labels(c.name).set(0)
             for slo, target in (("ttft", c.ttft_slo_s), ("ttlt", c.ttlt_slo_s)):
                 if target is None:
                     continue
@@ -269,11 +250,9 @@ class GatewayMetrics:
         start, read at scrape time, as `sagesched_embedding_cache_lookups_total{result}`."""
         self.registry.register(_CacheLookups(counts))
 
-    def declare(self, model: str, backend: str, policy: str) -> None:
-        """Create the event counters of a (model, backend) at zero, so they are scraped before
-        their first event and `increase()` counts that event too."""
-        self.preemptions.labels(model, backend, policy)
-        self.retries.labels(model, backend)
+    def watch(self, pool: BackendPool, dispatcher: Dispatcher) -> None:
+        """Export the pool's and the dispatcher's state (read at scrape time, see `_Live`)."""
+        self.live.pool, self.live.dispatcher = pool, dispatcher
 
     def settle(self, t: RequestTrace) -> None:
         """Record a finished request (exactly once per request)."""
@@ -336,6 +315,68 @@ class GatewayMetrics:
     def exposition(self) -> bytes:
         """The text exposition format of every series."""
         return generate_latest(self.registry)
+
+
+class _Live(Collector):
+    """Series of state the pool and the dispatcher keep as plain numbers, built when
+    Prometheus scrapes: backend in-flight, cap and health (every configured backend), queue
+    depth per model with a scheduler, class queue depth (every configured class), and the
+    preemption and retry counters (at zero per (model, backend) once the model has a
+    scheduler, so `increase()` counts the first event too)."""
+
+    def __init__(self) -> None:
+        self.pool: BackendPool | None = None
+        self.dispatcher: Dispatcher | None = None
+        self._created: dict[tuple[str, ...], float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        inflight = GaugeMetricFamily(
+            "sagesched_backend_inflight", "Requests running on a backend.", labels=("backend",)
+        )
+        cap = GaugeMetricFamily(
+            "sagesched_backend_inflight_cap", "Current in-flight cap of a backend.",
+            labels=("backend",),
+        )  # fmt: skip
+        healthy = GaugeMetricFamily(
+            "sagesched_backend_healthy", "1 if the backend passed its last health check.",
+            labels=("backend",),
+        )  # fmt: skip
+        for b in self.pool.backends if self.pool is not None else ():
+            inflight.add_metric((b.name,), b.inflight)
+            cap.add_metric((b.name,), b.cap)
+            healthy.add_metric((b.name,), 1 if b.healthy else 0)
+        depth = GaugeMetricFamily(
+            "sagesched_queue_depth", "Requests waiting in the gateway queue.",
+            labels=("model", "policy"),
+        )  # fmt: skip
+        class_depth = GaugeMetricFamily(
+            "sagesched_class_queue_depth", "Requests of a class waiting for their first dispatch.",
+            labels=("class",),
+        )  # fmt: skip
+        preemptions = CounterMetricFamily(
+            "sagesched_preemptions", "Running requests preempted and requeued.",
+            labels=("model", "backend", "policy"),
+        )  # fmt: skip
+        retries = CounterMetricFamily(
+            "sagesched_retries", "Requests retried on another backend before the first byte.",
+            labels=("model", "backend"),
+        )  # fmt: skip
+        d = self.dispatcher
+        if d is not None:
+            for model, n in d.queue_depths().items():
+                depth.add_metric((model, d.label), n)
+            for name, n in d.class_depths().items():
+                class_depth.add_metric((name,), n)
+            for (model, backend), n in list(d.preemptions.items()):
+                labels = (model, backend, d.label)
+                preemptions.add_metric(labels, n, created=self._since("p", *labels))
+            for (model, backend), n in list(d.retries.items()):
+                retries.add_metric((model, backend), n, created=self._since("r", model, backend))
+        yield from (inflight, cap, healthy, depth, class_depth, preemptions, retries)
+
+    def _since(self, *key: str) -> float:
+        """When a counter series was first exported (its `_created` sample)."""
+        return self._created.setdefault(key, time.time())
 
 
 class _CacheLookups(Collector):

@@ -1,5 +1,10 @@
 """The relay: one request's trip to a backend and back, with retries and continuations.
 
+It talks to the scheduler only through the request's `Slot` (`gateway.slot`): wait for a
+grant, report tokens, report each attempt's outcome (completed, preempted, retry); the slot's
+exit finishes the request. It raises `GatewayError`s and never renders them (the app's error
+middleware does), except as the SSE error event of a stream that already started.
+
 Streaming answers are relayed event by event with as little work per event as possible: no
 JSON parsing of token chunks unless preemption needs the text, a byte check to recognise the
 usage chunk (always requested upstream; dropped again if the client did not ask for it), and
@@ -17,11 +22,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.backends import Backend
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher, Ticket
 from gateway.errors import GatewayError, Outcome, UpstreamBroken, UpstreamRejected, sse_error_event
 from gateway.openai_api import PATHS, upstream_body
+from gateway.slot import Attempt, Grant, Slot
 from policies import Job
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -87,13 +92,13 @@ class Relay:
     async def serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         """Queue `job`, run it (retrying elsewhere before the first byte, resuming after
         preemption) and return the client's response. Sets the trace's outcome, except on
-        errors raised before anything was sent, which the handler renders."""
-        ticket: Ticket = job.ctx
-        trace = ticket.trace
+        errors raised before anything was sent, which propagate (the error middleware renders
+        them)."""
+        trace = job.ctx.trace
         state = StreamState()
-        self._dispatcher.submit(job)
         try:
-            await self._run(request, job, state)
+            async with self._dispatcher.slot(job) as slot:
+                await self._run(request, slot, state)
             trace.outcome = Outcome.COMPLETED
             assert state.response is not None
             return state.response
@@ -108,33 +113,35 @@ class Relay:
             return state.response or web.Response(status=499)
         finally:
             trace.output_tokens = max(trace.output_tokens, state.tokens)
-            self._dispatcher.finish(job)
 
-    async def _run(self, request: web.Request, job: Job, state: StreamState) -> None:
-        trace = job.ctx.trace
+    async def _run(self, request: web.Request, slot: Slot, state: StreamState) -> None:
+        """Attempts until one completes; each ends in one report to the slot."""
+        trace = slot.job.ctx.trace
         while True:
-            backend = await self._dispatcher.wait(job)
+            grant = await slot.granted()
             if trace.dispatched is None:
                 trace.dispatched = time.monotonic()
-            trace.backend = backend.name
+            trace.backend = grant.backend.name
             try:
-                if await self._attempt(request, job, backend, state):
-                    return
+                result = await self._attempt(request, slot, grant, state)
             except _Retryable as exc:
-                self._dispatcher.retry_elsewhere(job, backend_down=exc.down)
+                slot.ended(Attempt.RETRY, backend_down=exc.down)
                 continue
+            slot.ended(result)
+            if result is Attempt.COMPLETED:
+                return
             state.tokens_before = state.tokens
             state.segments += 1
-            self._dispatcher.requeue(job, preempted=True)
 
     async def _attempt(
-        self, request: web.Request, job: Job, backend: Backend, state: StreamState
-    ) -> bool:
-        """One upstream request. True when the answer is complete, False when preempted."""
-        ticket: Ticket = job.ctx
-        call = ticket.call
+        self, request: web.Request, slot: Slot, grant: Grant, state: StreamState
+    ) -> Attempt:
+        """One upstream request: COMPLETED, or PREEMPTED (the slot's window was preempted);
+        `_Retryable` when the backend failed before answering."""
+        call = slot.job.ctx.call
+        backend = grant.backend
         body = upstream_body(
-            call, priority=ticket.priority, continuation=state.text, done_tokens=state.tokens
+            call, priority=grant.priority, continuation=state.text, done_tokens=state.tokens
         )
         try:
             resp = await self._session.post(
@@ -151,12 +158,12 @@ class Relay:
             if resp.status != 200:
                 raise UpstreamRejected(resp.status, await resp.read())
             if not call.stream:
-                await self._whole(job, resp, state)
-                return True
+                await self._whole(slot.job, resp, state)
+                return Attempt.COMPLETED
             if call.kind == "responses":
-                await self._copy(request, job, resp, state)
-                return True
-            return await self._stream(request, job, resp, state)
+                await self._copy(request, slot, resp, state)
+                return Attempt.COMPLETED
+            return await self._stream(request, slot, resp, state)
 
     async def _whole(self, job: Job, resp: aiohttp.ClientResponse, state: StreamState) -> None:
         """A non-streaming answer: read it whole and pass it on."""
@@ -174,38 +181,37 @@ class Relay:
         state.response = web.Response(body=data, status=200, content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, job: Job, resp: aiohttp.ClientResponse, state: StreamState
-    ) -> bool:
-        ticket: Ticket = job.ctx
-        ticket.abort_upstream = resp.close
+        self, request: web.Request, slot: Slot, resp: aiohttp.ClientResponse, state: StreamState
+    ) -> Attempt:
+        """Relay a chat or completions stream. Reading it is the attempt's preemptible window:
+        a preemption stops it wherever it waits (also on a backend that sends nothing), and
+        the upstream request is closed here, which aborts it in vLLM."""
         done = False
         pending = b""
-        try:
-            # Whatever bytes are available at once are handled together and relayed in one
-            # write: under load several events arrive per read, and writes are the cost.
-            async for data in resp.content.iter_any():
-                pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
-                *events, pending = pending.split(b"\n\n")
-                out, done = self._events(job, events, state)
-                if out:
-                    response = state.response or await self._open(request, state)
-                    await _write(response, out)
-                if done:
-                    break
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            if ticket.preempt_requested:
-                return False
-            raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
-        finally:
-            ticket.abort_upstream = None
-        if not done:
-            if ticket.preempt_requested:
-                return False
-            raise UpstreamBroken("backend closed the stream before [DONE]")
-        await self._finish_stream(request, job, state)
-        return True
+        with slot.preemptible() as window:
+            try:
+                # Whatever bytes are available at once are handled together and relayed in one
+                # write: under load several events arrive per read, and writes are the cost.
+                async for data in resp.content.iter_any():
+                    pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+                    *events, pending = pending.split(b"\n\n")
+                    out, done = self._events(slot, events, state)
+                    if out:
+                        response = state.response or await self._open(request, state)
+                        await _write(response, out)
+                    if done or window.requested:
+                        break
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
+        if done:
+            await self._finish_stream(request, slot.job, state)
+            return Attempt.COMPLETED
+        if window.preempted:
+            resp.close()
+            return Attempt.PREEMPTED
+        raise UpstreamBroken("backend closed the stream before [DONE]")
 
-    def _events(self, job: Job, events: list[bytes], state: StreamState) -> tuple[bytes, bool]:
+    def _events(self, slot: Slot, events: list[bytes], state: StreamState) -> tuple[bytes, bool]:
         """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came."""
         out: list[bytes] = []
         for event in events:
@@ -215,14 +221,14 @@ class Relay:
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     return b"".join(out), True
-                if self._event(job, payload, state):
+                if self._event(slot, payload, state):
                     out.append(b"data: " + payload + b"\n\n")
         return b"".join(out), False
 
-    def _event(self, job: Job, payload: bytes, state: StreamState) -> bool:
+    def _event(self, slot: Slot, payload: bytes, state: StreamState) -> bool:
         """Count and time one upstream event; True if it is relayed as it is (the usage
         chunk is held back, a continuation's repeated role chunk dropped)."""
-        ticket: Ticket = job.ctx
+        ticket: Ticket = slot.job.ctx
         if _USAGE_MARK in payload:
             state.usage_raw = payload
             try:
@@ -236,11 +242,11 @@ class Relay:
         if is_token:
             if self._config.preemption and ticket.call.continuable:
                 state.text += _chunk_text(payload)
-            self._count_token(job, state)
+            self._count_token(slot, state)
         return True
 
     async def _copy(
-        self, request: web.Request, job: Job, resp: aiohttp.ClientResponse, state: StreamState
+        self, request: web.Request, slot: Slot, resp: aiohttp.ClientResponse, state: StreamState
     ) -> None:
         """A streamed `/v1/responses` answer, relayed byte for byte (its events are named
         and typed; nothing is dropped or re-framed): text deltas are counted and timed, the
@@ -252,11 +258,11 @@ class Relay:
                 pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                 *events, pending = pending.split(b"\n\n")
                 for event in events:
-                    self._response_event(job, event, state)
+                    self._response_event(slot, event, state)
                 await _write(response, data)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
-        trace = job.ctx.trace
+        trace = slot.job.ctx.trace
         trace.finished = time.monotonic()
         trace.output_tokens = state.tokens
         try:
@@ -264,28 +270,28 @@ class Relay:
         except ConnectionResetError:
             raise ClientGone() from None
 
-    def _response_event(self, job: Job, event: bytes, state: StreamState) -> None:
+    def _response_event(self, slot: Slot, event: bytes, state: StreamState) -> None:
         if _DELTA_MARK in event:
-            self._count_token(job, state)
+            self._count_token(slot, state)
         elif _DONE_MARKS[0] in event or _DONE_MARKS[1] in event:
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
                     try:
                         final = json.loads(line[5:]).get("response") or {}
-                        _take_usage(final.get("usage"), state, job.ctx.trace)
+                        _take_usage(final.get("usage"), state, slot.job.ctx.trace)
                     except (ValueError, AttributeError, TypeError):
                         pass
 
-    def _count_token(self, job: Job, state: StreamState) -> None:
+    def _count_token(self, slot: Slot, state: StreamState) -> None:
         now = time.monotonic()
-        trace = job.ctx.trace
+        trace = slot.job.ctx.trace
         if trace.first_token is None:
             trace.first_token = now
         else:
             trace.gaps_s.append(now - state.last_token_at)
         state.last_token_at = now
         state.tokens += 1
-        self._dispatcher.progress(job, 1)
+        slot.tokens(1)
 
     async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)

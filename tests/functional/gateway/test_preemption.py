@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
 from fixtures.scrape import scrape, total
@@ -126,3 +127,84 @@ async def test_resumed_answer_is_the_uninterrupted_one(
     assert len(expected.split()) == 90 and text == expected
     samples = await scrape(gw.url + "/metrics")
     assert total(samples, "sagesched_preemptions_total") == 1
+
+
+async def stalling_backend() -> tuple[str, web.AppRunner, list[str]]:
+    """A completions backend whose first answer to LONG streams 5 tokens and then sends
+    nothing (a request stalled in vLLM); a continuation and SHORT stream to the end. Records
+    `aborted` when a request's connection is closed under it."""
+    events: list[str] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = 5 if body["prompt"] == LONG else body["max_tokens"]
+        for i in range(n):
+            chunk = {"choices": [{"index": 0, "text": f"w{i} ", "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if body["prompt"] == LONG:
+            events.append("stalled")
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                events.append("aborted")
+                raise
+        usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+        last = json.dumps({"choices": [], "usage": usage}, separators=(",", ":"))
+        await resp.write(b"data: " + last.encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return f"http://127.0.0.1:{int(runner.addresses[0][1])}", runner, events
+
+
+async def test_a_stream_stalled_in_the_backend_is_preempted(
+    start_gateway: StartGateway, embedder: Embedder
+) -> None:
+    """The preemption stops the relay's read of a stream that sends nothing (not only one
+    that streams), closes it upstream and resumes it as a continuation."""
+    predictor = LengthPredictor(embedder=embedder)
+    predictor.observe_many([LONG, SHORT], [1500, 3])
+    url, runner, events = await stalling_backend()
+    try:
+        gw = await start_gateway(
+            [{"url": url, "max_inflight": 1}],
+            policy="sagesched",
+            preemption=True,
+            preemption_margin=0.0,
+            predictor=predictor,
+        )
+        async with aiohttp.ClientSession() as s:
+            started = asyncio.Event()
+            long_resp = await s.post(gw.url + "/v1/completions", json=body("completions", LONG, 20))
+            long_task = asyncio.create_task(read_events(long_resp, started))
+            await asyncio.wait_for(started.wait(), 30)
+            assert events == ["stalled"]
+            async with s.post(gw.url + "/v1/completions", json=body("completions", SHORT, 3)) as r:
+                assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+            long_events = await asyncio.wait_for(long_task, 30)
+        assert events == ["stalled", "aborted"]
+        texts = [e["choices"][0]["text"] for e in long_events if e.get("choices")]
+        assert len(texts) == 20 and not [e for e in long_events if "error" in e]
+        usage = [e["usage"] for e in long_events if not e.get("choices") and e.get("usage")]
+        assert usage and usage[-1]["completion_tokens"] == 20
+        samples = await scrape(gw.url + "/metrics")
+        assert total(samples, "sagesched_preemptions_total") == 1
+        assert total(samples, "sagesched_requests_total", outcome="completed") == 2
+    finally:
+        await runner.cleanup()

@@ -8,7 +8,6 @@ from aiohttp import web
 
 from gateway.backends import BackendPool, read_sample
 from gateway.config import AdaptiveCapConfig, BackendConfig
-from gateway.metrics import GatewayMetrics
 
 TWO_ENGINES = """\
 # HELP vllm:num_requests_waiting Requests waiting to be processed.
@@ -74,11 +73,10 @@ async def test_one_scrape_steps_the_controller(text: str, status: int, expect: i
             pool = BackendPool(
                 [BackendConfig(url=f"http://127.0.0.1:{port}", name="b", max_inflight=16)],
                 session,
-                GatewayMetrics(),
-                on_capacity=lambda: woken.append(1),
                 health_interval_s=60.0,
                 adaptive=AdaptiveCapConfig(),
             )
+            pool.listen(lambda: woken.append(1))
             b = pool.backends[0]
             b.healthy, b.inflight = True, 16
             await pool._adapt(b)  # a queue seen once may be a prompt waiting for one step
