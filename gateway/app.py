@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -42,7 +42,7 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
 from gateway.openai_api import Kind, parse_body, parse_call
 from gateway.prompts import PromptCounter
 from gateway.relay import Relay
-from policies import Job, parse_policy
+from policies import Job, Policy, parse_policy
 
 if TYPE_CHECKING:
     from predictor import LengthPredictor
@@ -72,7 +72,16 @@ class GatewayState:
     """Records every settled request to files (`serve --capture DIR`; None: off)."""
 
 
+class Remote(Protocol):
+    """Where a worker's pool and dispatcher come from (`gateway.remote.AuthorityLink`)."""
+
+    def attach(
+        self, session: aiohttp.ClientSession, policy: Policy, config: GatewayConfig
+    ) -> tuple[BackendPool, Dispatcher]: ...
+
+
 STATE = web.AppKey("sagesched_state", GatewayState)
+REMOTE = web.AppKey("sagesched_remote", Remote)
 CONFIG = web.AppKey("sagesched_config", GatewayConfig)
 PREDICTOR = web.AppKey("sagesched_predictor", object)
 TICKET = web.RequestKey("sagesched_ticket", Ticket)
@@ -129,13 +138,17 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     metrics = GatewayMetrics()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    pool = BackendPool(
-        config.backends,
-        session,
-        health_interval_s=config.health_interval_s,
-        adaptive=config.adaptive_cap,
-    )
-    dispatcher = Dispatcher(policy, pool, config)  # listens to the pool's capacity
+    remote = app.get(REMOTE)
+    if remote is None:
+        pool = BackendPool(
+            config.backends,
+            session,
+            health_interval_s=config.health_interval_s,
+            adaptive=config.adaptive_cap,
+        )
+        dispatcher = Dispatcher(policy, pool, config)  # listens to the pool's capacity
+    else:  # a worker of `serve --workers N`: the authority's pool and queue
+        pool, dispatcher = remote.attach(session, policy, config)
     metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
     metrics.watch(pool, dispatcher)
     predictor = await _start_predictor(app, config, policy.needs_prediction)

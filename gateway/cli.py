@@ -92,10 +92,16 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def serve(config: GatewayConfig) -> None:
+def serve(config: GatewayConfig) -> int:
     """Run until SIGINT/SIGTERM (aiohttp's `run_app`), then shut down gracefully: in-flight
-    requests get up to 60 s. On uvloop when it is installed."""
+    requests get up to 60 s. On uvloop when it is installed. With `workers` > 1: worker
+    processes and one scheduling authority (`gateway.workers`). Returns the exit status."""
     from gateway.app import create_app
+
+    if config.workers > 1:
+        from gateway import workers
+
+        return workers.serve(config)
 
     try:
         import uvloop
@@ -109,6 +115,7 @@ def serve(config: GatewayConfig) -> None:
         handler_cancellation=True, access_log=None, loop=loop,
         print=lambda _: log.info("listening on http://%s:%d", config.host, config.port),
     )  # fmt: skip
+    return 0
 
 
 def main(argv: list[str], prog: str = "sagesched serve") -> int:
@@ -121,5 +128,4 @@ def main(argv: list[str], prog: str = "sagesched serve") -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    serve(config)
-    return 0
+    return serve(config)

@@ -1,0 +1,104 @@
+"""The messages between worker processes and the host's scheduling authority.
+
+One Unix-domain stream socket per worker; each message is one JSON object on one line (a JSON
+encoder never writes a raw newline). Messages are per request, never per token:
+
+worker → authority                          authority → worker
+  hello   {worker, pid}                       pool       {backends: [...]}  (on change)
+  ready   {}  (listening on the port)         startable  {models: {model: bool}}  (on change)
+  admit   {rid, job}                          admitted   {rid, grant?}  or  error {rid, error}
+  tokens  {rid, generated}  (review point)    grant      {rid, backend, priority, review_at}
+  ended   {rid, attempt, down, generated}     review     {rid, review_at}
+  finish  {rid, generated}                    preempt    {rid}
+  resized {rid, prompt_tokens}                error      {rid, error}  (timeout, shed, retries)
+  refused {rid}  (preempt came too late)      scrape     {sid}  → exposition {sid, text}
+  call    {sid, what}  (metrics, admin views)  reply      {sid, data}
+
+`rid` is the worker's own job id; the authority keys its jobs by (connection, rid). A
+`GatewayError` crosses as its class name and fields and is raised again as the same class.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway import errors
+from gateway.errors import GatewayError
+from policies import Job, LengthDist
+
+Message = dict[str, Any]
+
+LINE_LIMIT = 64 * 1024 * 1024
+"""Longest message (bytes): a merged metrics exposition is the largest, a job ~1-10 kB."""
+
+
+def pack(msg: Message) -> bytes:
+    """One message as one line."""
+    return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+
+
+def unpack(line: bytes) -> Message:
+    msg = json.loads(line)
+    if not isinstance(msg, dict) or "op" not in msg:
+        raise ValueError(f"not a message: {line[:200]!r}")
+    return msg
+
+
+def job_fields(job: Job) -> Message:
+    """What the authority needs to queue a worker's job (ids, times, sizes, prediction)."""
+    ticket = job.ctx
+    call = ticket.call
+    dist = job.dist
+    return {
+        "arrival": job.arrival_s,
+        "model": call.model,
+        "kind": call.kind,
+        "stream": call.stream,
+        "continuable": call.continuable,
+        "max_tokens": job.max_tokens,
+        "prompt_tokens": job.prompt_tokens,
+        "tenant": job.tenant,
+        "klass": ticket.klass.name,
+        "support": None if dist is None else dist.support.tolist(),
+        "probs": None if dist is None else dist.probs.tolist(),
+        "rank_score": job.rank_score,
+    }
+
+
+def dist_of(fields: Message) -> LengthDist | None:
+    support = fields.get("support")
+    return None if support is None else LengthDist(support, fields["probs"])
+
+
+def error_fields(exc: GatewayError) -> Message:
+    """A `GatewayError` as plain data (`raise_error` rebuilds it)."""
+    out: Message = {"cls": type(exc).__name__, "message": exc.message, "param": exc.param,
+                    "status": exc.status}  # fmt: skip
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        out["retry_after_s"] = retry_after
+    return out
+
+
+def rebuild_error(fields: Message) -> GatewayError:
+    """The same `GatewayError` class with the same message, status and Retry-After."""
+    cls = _error_classes().get(str(fields.get("cls")), GatewayError)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, fields["message"])
+    exc.message, exc.param = fields["message"], fields.get("param")
+    if exc.status != fields["status"]:
+        exc.status = fields["status"]
+    if "retry_after_s" in fields:
+        exc.retry_after_s = fields["retry_after_s"]  # type: ignore[attr-defined]
+    return exc
+
+
+def _error_classes() -> dict[str, type[GatewayError]]:
+    found: dict[str, type[GatewayError]] = {}
+    todo: list[type[GatewayError]] = [errors.GatewayError]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return found
