@@ -10,4 +10,5 @@ pytest_plugins = [
     "fixtures.gateway_fixtures",
     "fixtures.prometheus_fixtures",
     "fixtures.real_vllm_fixtures",
+    "fixtures.worker_fixtures",
 ]
