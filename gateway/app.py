@@ -1,12 +1,21 @@
-"""The aiohttp application: routes, error rendering, and paired start/stop of resources.
+"""The aiohttp application: routes, the one error middleware, paired start/stop of resources.
 
-Request flow (`completion`, the generating routes): authenticate → read the body (413 beyond
-the limit) → validate (400) → resolve the model (404) → if the job must queue, count its
-prompt with the backend's tokenizer (`gateway.prompts`) beside the prediction → predict the
-output-length distribution (timed; part of TTFT when queued) → `Relay.serve` (queue,
-dispatch, relay) → settle metrics and, on completion, teach the predictor the true length in
-the background. Every other path goes to `passthrough` (`gateway.passthrough`: forwarded
-first come, first served). Every request records exactly one `Outcome`.
+A generating request (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`) takes five
+named steps (`_serve`; docs/ARCHITECTURE.md):
+
+1. accept — `accept`: auth (401), class (400), body (413), validation (400), model (404);
+2. predict — `Prediction.predict` (`gateway.prediction`; the prompt sized beside it by
+   `Prediction.size`);
+3. queue — `Dispatcher.slot` (`gateway.dispatcher`): admitted (429) and granted a backend
+   slot (503 on timeout);
+4. relay — `Relay.serve` (`gateway.relay`): attempts against backends, retries before the
+   first byte, continuations after preemption;
+5. settle — `settle`: the metrics (`GatewayMetrics.settle`), the capture, and on completion
+   the predictor learns the true length (`Prediction.learn`).
+
+Every other path goes to `passthrough` (`gateway.passthrough`: forwarded first come, first
+served). Every request records exactly one `Outcome` (`_counted`). Handlers raise
+`GatewayError`s; `error_middleware` alone turns them into HTTP responses.
 """
 
 from __future__ import annotations
@@ -14,11 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -28,7 +36,7 @@ from gateway.backends import BackendPool
 from gateway.capture import CaptureWriter
 from gateway.classes import CLASS_HEADER
 from gateway.config import GatewayConfig, as_dict
-from gateway.dispatcher import Dispatcher, Ticket
+from gateway.dispatcher import Dispatcher
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -40,6 +48,7 @@ from gateway.errors import (
 )
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
 from gateway.openai_api import Kind, parse_body, parse_call
+from gateway.prediction import Prediction
 from gateway.prompts import PromptCounter
 from gateway.relay import Relay
 from policies import Job, Policy, parse_policy
@@ -50,7 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("sagesched.gateway")
 
 UNKNOWN_MODEL = "unknown"
-MAX_PENDING_OBSERVATIONS = 1024  # bounds memory if the predictor falls behind the traffic
 TENANT_HEADER = "X-SageSched-Tenant"
 
 
@@ -63,13 +71,20 @@ class GatewayState:
     pool: BackendPool
     dispatcher: Dispatcher
     relay: Relay
-    predictor: LengthPredictor | None
-    background: set[asyncio.Task[None]] = field(default_factory=set)
-    """Predictor work running beside requests (refinements, learning); bounded."""
+    prediction: Prediction
     counter: PromptCounter | None = None
     """Counts queued prompts with the backends' tokenizers (None: characters / 4 only)."""
     capture: CaptureWriter | None = None
     """Records every settled request to files (`serve --capture DIR`; None: off)."""
+
+    @property
+    def predictor(self) -> LengthPredictor | None:
+        return self.prediction.predictor
+
+    @property
+    def background(self) -> set[asyncio.Task[None]]:
+        """Predictor work running beside requests (`Prediction.background`)."""
+        return self.prediction.background
 
 
 class Remote(Protocol):
@@ -84,12 +99,12 @@ STATE = web.AppKey("sagesched_state", GatewayState)
 REMOTE = web.AppKey("sagesched_remote", Remote)
 CONFIG = web.AppKey("sagesched_config", GatewayConfig)
 PREDICTOR = web.AppKey("sagesched_predictor", object)
-TICKET = web.RequestKey("sagesched_ticket", Ticket)
-"""A generating request's ticket, once its job exists (the capture reads its embedding)."""
+JOB = web.RequestKey("sagesched_job", Job)
+"""A generating request's job, once it exists (settling reads its ticket)."""
 
 
 def render(error: GatewayError) -> web.Response:
-    """The one place a `GatewayError` becomes an HTTP response."""
+    """A `GatewayError` as OpenAI's JSON error response (used by `error_middleware` only)."""
     return web.json_response(error.body(), status=error.status, headers=error.headers())
 
 
@@ -97,9 +112,13 @@ def render(error: GatewayError) -> web.Response:
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """aiohttp's own HTTP errors (unknown route, wrong method) in OpenAI's format."""
+    """The one place errors become HTTP responses: every `GatewayError` a handler raises, and
+    aiohttp's own HTTP errors (unknown route, wrong method, body too large) in OpenAI's
+    format. (A stream that already started reports its error in-band: `gateway.relay`.)"""
     try:
         return await handler(request)
+    except GatewayError as exc:
+        return render(exc)
     except web.HTTPNotFound:
         return render(NotFoundRoute(f"no route {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed:
@@ -131,7 +150,7 @@ def create_app(
 
 
 async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-    """Start the HTTP client, backend pool and predictor; stop them in reverse order."""
+    """Start the HTTP client, backend pool, predictor and capture; stop them in reverse."""
     config = app[CONFIG]
     policy = parse_policy(config.policy)
     log.info("effective config: %s", as_dict(config))
@@ -151,41 +170,37 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         pool, dispatcher = remote.attach(session, policy, config)
     metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
     metrics.watch(pool, dispatcher)
-    predictor = await _start_predictor(app, config, policy.needs_prediction)
-    if predictor is not None:
-        cache = predictor.embedder.cache
+    counter = PromptCounter(pool, session, config.tokenizer) if config.tokenizer.enabled else None
+    given = app.get(PREDICTOR)
+    prediction = Prediction(config, dispatcher, counter, given=given)  # type: ignore[arg-type]
+    await prediction.start()
+    if prediction.predictor is not None:
+        cache = prediction.predictor.embedder.cache
         metrics.watch_embedding_cache(lambda: (cache.hits, cache.misses))
-    state = GatewayState(
-        config, metrics, pool, dispatcher, Relay(session, dispatcher, config), predictor
-    )
-    if config.tokenizer.enabled:
-        state.counter = PromptCounter(pool, session, config.tokenizer)
+    relay = Relay(session, dispatcher, config)
+    state = GatewayState(config, metrics, pool, dispatcher, relay, prediction, counter)
     writer: asyncio.Task[None] | None = None
     if config.capture.dir is not None:
         state.capture = CaptureWriter(config.capture, metrics.count_capture)
-        if config.capture.embeddings and predictor is None:
+        if config.capture.embeddings and prediction.predictor is None:
             log.warning("capture.embeddings is on but the predictor is off: no embeddings")
         writer = asyncio.create_task(state.capture.run())
     app[STATE] = state
     await pool.start()
-    saver = _start_saver(state)
     try:
         yield
     finally:
-        if saver is not None:
-            saver.cancel()
         # predictor work first: a capture record waiting for its prompt's embedding gets it
-        await asyncio.gather(*state.background, return_exceptions=True)
+        await prediction.stop()
         if writer is not None:  # after the last request settled: flushes what is queued
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
         await pool.stop()
-        await _stop_predictor(app, state)
         await session.close()
 
 
-# -- the completion handler -----------------------------------------------------------
+# -- the completion handler: five steps -----------------------------------------------
 
 
 Serve = Callable[["GatewayState", web.Request, RequestTrace], Awaitable[web.StreamResponse]]
@@ -200,8 +215,24 @@ def _completion(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamRespo
     return _counted(serve)
 
 
+async def _serve(
+    state: GatewayState, request: web.Request, kind: Kind, trace: RequestTrace
+) -> web.StreamResponse:
+    job = await accept(state, request, kind, trace)  # 1
+    request[JOB] = job  # settling reads it (step 5)
+    sizing = state.prediction.size(job)  # beside steps 2 and 3
+    try:
+        await state.prediction.predict(job)  # 2
+        return await state.relay.serve(request, job)  # 3 (Dispatcher.slot) and 4
+    finally:
+        if sizing is not None and not sizing.done():
+            sizing.cancel()
+
+
 def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """A handler that records exactly one outcome for whatever `serve` does."""
+    """A handler that records exactly one outcome for whatever `serve` does, and settles
+    (step 5). Errors propagate to `error_middleware`; anything unexpected becomes a logged
+    internal error."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
@@ -212,35 +243,25 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
             return await serve(state, request, trace)
         except GatewayError as exc:
             trace.outcome, trace.status = exc.outcome, exc.status
-            return render(exc)
+            raise
         except asyncio.CancelledError:
             if trace.outcome is None:
                 running = trace.dispatched is not None
                 trace.outcome = Outcome.CANCELLED_RUNNING if running else Outcome.CANCELLED_WAITING
                 trace.status = 499
             raise
-        except Exception:
+        except Exception as exc:
             log.exception("internal error on %s", request.path)
             trace.outcome, trace.status = Outcome.INTERNAL_ERROR, 500
-            return render(GatewayError("internal error in the gateway"))
+            raise GatewayError("internal error in the gateway") from exc
         finally:
-            state.metrics.settle(trace)
-            if state.capture is not None:
-                state.capture.offer(trace, request.get(TICKET))
+            settle(state, trace, request.get(JOB))
 
     return handler
 
 
-async def _read(state: GatewayState, request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body exceeds {state.config.max_body_bytes} bytes") from None
-
-
-async def _serve(
-    state: GatewayState, request: web.Request, kind: Kind, trace: RequestTrace
-) -> web.StreamResponse:
+async def accept(state: GatewayState, request: web.Request, kind: Kind, trace: RequestTrace) -> Job:
+    """Step 1: a generating request → its job, or a `GatewayError` (401, 400, 413, 404)."""
     _authorize(request, state.config.api_keys)
     klass = state.dispatcher.classes.resolve(request.headers.get(CLASS_HEADER), _token(request))
     raw = await _read(state, request)
@@ -248,124 +269,24 @@ async def _serve(
     if not state.pool.serves(call.model):
         raise ModelNotFound(f"the model '{call.model}' does not exist", param="model")
     trace.model = call.model
-    job = state.dispatcher.new_job(call, trace, None, klass)
-    request[TICKET] = job.ctx  # the capture reads the prompt's embedding from it
-    counting = _start_count(state, job)
+    return state.dispatcher.new_job(call, trace, None, klass)
+
+
+def settle(state: GatewayState, trace: RequestTrace, job: Job | None) -> None:
+    """Step 5: record the request's one outcome (metrics, capture); after a completion the
+    predictor learns the true length."""
+    state.metrics.settle(trace)
+    if state.capture is not None:
+        state.capture.offer(trace, None if job is None else job.ctx)
+    if job is not None and trace.outcome is Outcome.COMPLETED:
+        state.prediction.learn(job)
+
+
+async def _read(state: GatewayState, request: web.Request) -> bytes:
     try:
-        await _predict(state, job, call.text_body)
-        response = await state.relay.serve(request, job)
-    finally:
-        if counting is not None and not counting.done():
-            counting.cancel()
-    if (
-        trace.outcome is Outcome.COMPLETED
-        and state.predictor is not None
-        and trace.output_tokens > 0
-    ):
-        _learn(state, job, trace.output_tokens)
-    return response
-
-
-def _start_count(state: GatewayState, job: Job) -> asyncio.Task[None] | None:
-    """Count the prompt with the backend's tokenizer when the job must queue (its size can
-    then change the order); a job that starts at once keeps the estimate until its usage
-    reports the true count. Nothing waits for the count: it runs beside the prediction, and
-    if it lands after the job was queued it rekeys the job (`Dispatcher.resized`)."""
-    counter, call = state.counter, job.ctx.call
-    if counter is None or state.dispatcher.can_start_now(call.model):
-        return None
-
-    async def count() -> None:
-        job.prompt_tokens, job.ctx.trace.prompt_count_source = await counter.count(call)
-        state.dispatcher.resized(job)
-
-    return asyncio.create_task(count())
-
-
-async def _predict(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
-    """Give `job` its predicted length distribution.
-
-    When the job would start at once (nothing of its model waiting, a backend free), the
-    prediction cannot change any decision yet, so the job starts on the recent global
-    distribution and the semantic prediction runs beside it (it still feeds the running key,
-    the admin view and the prediction-error metric): an idle gateway adds no embedding time to
-    TTFT. Otherwise the prediction orders the queue, so the job waits for it.
-    """
-    predictor = state.predictor
-    if predictor is None:
-        return
-    ticket: Ticket = job.ctx
-    call = ticket.call
-    if state.dispatcher.can_start_now(call.model):
-        dist = predictor.global_dist(job.prompt_tokens, model=call.model)
-        job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
-        ticket.refining = _background(state, _refine(state, job, body))
-        return
-    await _refine(state, job, body)
-
-
-async def _refine(state: GatewayState, job: Job, body: dict[str, Any]) -> None:
-    from predictor import request_text
-
-    assert state.predictor is not None
-    ticket: Ticket = job.ctx
-    call, trace = ticket.call, ticket.trace
-    start = time.monotonic()
-    ticket.prompt_vector = vec = await state.predictor.embed_async(request_text(body))
-    # the prompt count runs beside the embedding and is never waited for: if it is done,
-    # `job.prompt_tokens` is the backend's count; if not, it rekeys the queued job when it is
-    dist = await state.predictor.predict_vector_async(
-        vec, prompt_tokens=job.prompt_tokens, max_tokens=call.max_tokens, model=call.model
-    )
-    job.rank_score = await asyncio.to_thread(
-        state.predictor.rank_score, vec, job.prompt_tokens, call.model
-    )
-    trace.predictor_s = time.monotonic() - start
-    trace.predicted_median = dist.quantile(0.5)
-    job.dist = dist
-
-
-def _learn(state: GatewayState, job: Job, output_tokens: int) -> None:
-    """Teach the predictor the true length, in the background."""
-    if state.predictor is not None:
-        _background(state, _observe(state.predictor, job.ctx, output_tokens))
-
-
-async def _observe(predictor: LengthPredictor, ticket: Ticket, output_tokens: int) -> None:
-    """Learn with the prompt's embedding from the prediction: wait for a prediction still
-    running beside the request rather than embed the prompt a second time (if the prediction
-    failed or was shed, the prompt is embedded now)."""
-    from predictor import request_text
-
-    if ticket.refining is not None:
-        await asyncio.wait([ticket.refining])
-    call = ticket.call
-    prompt_tokens = ticket.trace.prompt_tokens or call.prompt_tokens_estimate  # usage's, if any
-    await predictor.observe_async(
-        request_text(call.text_body), output_tokens, prompt_tokens, vector=ticket.prompt_vector,
-        model=call.model,
-    )  # fmt: skip
-
-
-def _background(state: GatewayState, work: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
-    """Run predictor work beside the request; bounded, so a predictor that falls behind the
-    traffic sheds work instead of growing memory. The task, or None if shed."""
-    if len(state.background) >= MAX_PENDING_OBSERVATIONS:
-        work.close()
-        return None
-    task = asyncio.create_task(work)
-    state.background.add(task)
-    task.add_done_callback(_forget(state))
-    return task
-
-
-def _forget(state: GatewayState) -> Callable[[asyncio.Task[None]], None]:
-    def done(task: asyncio.Task[None]) -> None:
-        state.background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background predictor work failed: %r", task.exception())
-
-    return done
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body exceeds {state.config.max_body_bytes} bytes") from None
 
 
 def _token(request: web.Request) -> str:
@@ -383,10 +304,7 @@ def _authorize(request: web.Request, keys: tuple[str, ...]) -> None:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    try:
-        _authorize(request, state.config.api_keys)
-    except GatewayError as exc:
-        return render(exc)
+    _authorize(request, state.config.api_keys)
     return web.json_response({"object": "list", "data": state.pool.model_cards()})
 
 
@@ -411,20 +329,12 @@ def _admin(request: web.Request) -> GatewayState:
     if key is None:
         raise web.HTTPNotFound()
     if request.headers.get("Authorization", "") != f"Bearer {key}":
-        raise _Render(Unauthorized("admin routes need the admin key"))
+        raise Unauthorized("admin routes need the admin key")
     return state
 
 
-class _Render(Exception):
-    def __init__(self, error: GatewayError) -> None:
-        self.error = error
-
-
 async def admin_queue(request: web.Request) -> web.Response:
-    try:
-        state = _admin(request)
-    except _Render as exc:
-        return render(exc.error)
+    state = _admin(request)
     return web.json_response(
         {
             "policy": state.dispatcher.label,
@@ -436,10 +346,7 @@ async def admin_queue(request: web.Request) -> web.Response:
 
 
 async def admin_backends(request: web.Request) -> web.Response:
-    try:
-        state = _admin(request)
-    except _Render as exc:
-        return render(exc.error)
+    state = _admin(request)
     rows = [
         {
             "name": b.name,
@@ -470,62 +377,3 @@ async def _passthrough(
     return await fwd.forward(
         request, raw, backends, relay.session, relay.timeout, state.config.max_retries, trace
     )
-
-
-# -- predictor lifecycle ------------------------------------------------------------------
-
-
-async def _start_predictor(
-    app: web.Application, config: GatewayConfig, needed: bool
-) -> LengthPredictor | None:
-    settings = config.predictor
-    enabled = needed if settings.enabled is None else settings.enabled
-    if needed and not enabled:
-        raise ValueError(f"policy {config.policy!r} needs the predictor; do not disable it")
-    if not enabled:
-        return None
-    given = app.get(PREDICTOR)
-    if given is not None:
-        return given  # type: ignore[return-value]
-    return await asyncio.to_thread(_load_predictor, config)
-
-
-def _load_predictor(config: GatewayConfig) -> LengthPredictor:
-    from predictor import LengthPredictor
-
-    settings = config.predictor
-    path = settings.snapshot_path
-    if path and os.path.exists(path):
-        log.info("predictor: loading snapshot %s", path)
-        return LengthPredictor.load(path)
-    predictor = LengthPredictor()
-    if settings.warm_start_jsonl:
-        n = predictor.warm_start(settings.warm_start_jsonl)
-        log.info("predictor: warm start learned %d requests", n)
-    return predictor
-
-
-def _start_saver(state: GatewayState) -> asyncio.Task[None] | None:
-    settings = state.config.predictor
-    if state.predictor is None or not settings.snapshot_path or settings.save_interval_s <= 0:
-        return None
-
-    async def loop() -> None:
-        assert state.predictor is not None and settings.snapshot_path
-        while True:
-            await asyncio.sleep(settings.save_interval_s)
-            await asyncio.to_thread(state.predictor.save, settings.snapshot_path)
-
-    return asyncio.create_task(loop(), name="predictor-saver")
-
-
-async def _stop_predictor(app: web.Application, state: GatewayState) -> None:
-    predictor = state.predictor
-    if predictor is None:
-        return
-    path = state.config.predictor.snapshot_path
-    if path:
-        await asyncio.to_thread(predictor.save, path)
-    # The async embedder is bound to this loop; a shared predictor makes a new one lazily.
-    with contextlib.suppress(Exception):
-        await predictor.aclose()

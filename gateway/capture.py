@@ -101,7 +101,7 @@ class CaptureWriter:
         self._path: Path | None = None
         self._seq = 0
         # records waiting for their prompt's embedding; bounded by the gateway's bound on
-        # predictor work running beside requests (`app.MAX_PENDING_OBSERVATIONS`)
+        # predictor work running beside requests (`prediction.MAX_PENDING`)
         self._waiting: dict[int, dict[str, Any]] = {}
         self._ids = itertools.count()
 

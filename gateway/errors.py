@@ -1,9 +1,10 @@
-"""One outcome enum and one error tree, mapped to HTTP in one place (`render`).
+"""One outcome enum and one error tree, mapped to HTTP in one place (`app.error_middleware`).
 
 Every request the gateway accepts ends in exactly one `Outcome`, the only label of the
 terminal-state counter. Every error the gateway raises is a `GatewayError` carrying its HTTP
-status, OpenAI error `type` and `code`; `render` turns it into OpenAI's JSON error body, or,
-once a stream has started, into an SSE error event.
+status, OpenAI error `type` and `code`; handlers and the relay raise it, the app's error
+middleware renders it as OpenAI's JSON error body, or, once a stream has started, the relay
+sends it as an SSE error event (`sse_error_event`).
 """
 
 from __future__ import annotations

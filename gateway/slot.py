@@ -91,6 +91,15 @@ class Slot(Protocol):
     """The `job.generated` count at which the scheduler next wants to hear (None: no review
     point before the attempt ends). Set at each grant and each review point."""
 
+    async def __aenter__(self) -> Slot: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
     async def granted(self) -> Grant: ...
 
     def tokens(self, n: int) -> None: ...

@@ -105,3 +105,31 @@ async def test_errors_are_counted_and_process_stays_up(gw: RunningGateway) -> No
     assert total(samples, "sagesched_requests_total", outcome="rejected") == 3
     assert total(samples, "sagesched_requests_total", outcome="completed", code="200") == 1
     assert total(samples, "sagesched_requests_total", model="nope") == 0  # no unbounded labels
+
+
+async def test_every_error_renders_in_one_form(
+    gw: RunningGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error middleware renders every route's errors, the gateway's own (401 on
+    `/v1/models` and the admin routes) and a bug's (500, counted as internal_error)."""
+    async with aiohttp.ClientSession() as s:
+        for path in ("/v1/models", "/admin/queue", "/admin/backends"):
+            async with s.get(gw.url + path) as r:
+                assert r.status == 401
+                data = await r.json()
+                assert_openai_error(data)
+                assert data["error"]["code"] == "invalid_api_key"
+
+    def bug(*_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gw.state.prediction, "predict", bug)  # fault injection: a bug in step 2
+    status, data = await post(gw, GOOD)
+    assert status == 500
+    assert_openai_error(data)
+    assert data["error"] == {
+        "message": "internal error in the gateway", "type": "internal_error", "param": None,
+        "code": None,
+    }  # fmt: skip
+    samples = await scrape(gw.url + "/metrics")
+    assert total(samples, "sagesched_requests_total", outcome="internal_error", code="500") == 1

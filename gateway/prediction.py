@@ -1,0 +1,220 @@
+"""The predictor's part in a request, and the predictor's life beside the gateway.
+
+Per request (step 2 of the path in docs/ARCHITECTURE.md): `size` counts a job's prompt with
+the backend's tokenizer when the job must queue, beside everything else; `predict` gives the
+job its output-length distribution, waited for only when the job must queue (an idle gateway
+adds no embedding time to TTFT); after a completion `learn` teaches the predictor the true
+length from the prompt's embedding it already made. Work beside requests is bounded
+(`MAX_PENDING`) and awaited at `stop`.
+
+Per app, paired: `start` loads the predictor (or takes the one the app was given) and starts
+the snapshot saver; `stop` waits for the work beside requests, saves and closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from gateway.config import GatewayConfig
+from gateway.dispatcher import Dispatcher, Ticket
+from gateway.prompts import PromptCounter
+from policies import Job
+
+if TYPE_CHECKING:
+    from predictor import LengthPredictor
+
+log = logging.getLogger("sagesched.gateway")
+
+MAX_PENDING = 1024
+"""Predictor work running beside requests at most (refinements, learning): bounds memory if
+the predictor falls behind the traffic (more is shed)."""
+
+
+class Prediction:
+    """Prompt sizing and length prediction for the dispatcher's jobs; one per app."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        dispatcher: Dispatcher,
+        counter: PromptCounter | None = None,
+        *,
+        given: LengthPredictor | None = None,
+    ) -> None:
+        """`counter`: the backends' tokenizers (None: characters / 4 only); `given`: a loaded
+        predictor to use instead of loading one (tests, embedding)."""
+        self._config = config
+        self._dispatcher = dispatcher
+        self._counter = counter
+        self._given = given
+        self.predictor: LengthPredictor | None = None
+        """None when the policy needs no prediction and none was asked for."""
+        self.background: set[asyncio.Task[None]] = set()
+        """Predictor work running beside requests (refinements, learning); bounded."""
+        self._saver: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the predictor if the policy needs it (or the config asks for it), and start
+        saving snapshots. Raises ValueError when the policy needs it and the config forbids."""
+        needed = self._dispatcher.needs_prediction
+        settings = self._config.predictor
+        enabled = needed if settings.enabled is None else settings.enabled
+        if needed and not enabled:
+            raise ValueError(
+                f"policy {self._config.policy!r} needs the predictor; do not disable it"
+            )
+        if not enabled:
+            return
+        if self._given is not None:
+            self.predictor = self._given
+        else:
+            self.predictor = await asyncio.to_thread(_load, self._config)
+        if settings.snapshot_path and settings.save_interval_s > 0:
+            self._saver = asyncio.create_task(self._save_loop(), name="predictor-saver")
+
+    async def stop(self) -> None:
+        """Stop saving, wait for the work beside requests (a capture record waiting for its
+        prompt's embedding gets it), save a last snapshot and close the predictor."""
+        if self._saver is not None:
+            self._saver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._saver
+            self._saver = None
+        await asyncio.gather(*self.background, return_exceptions=True)
+        predictor, self.predictor = self.predictor, None
+        if predictor is None:
+            return
+        path = self._config.predictor.snapshot_path
+        if path:
+            await asyncio.to_thread(predictor.save, path)
+        # The async embedder is bound to this loop; a shared predictor makes a new one lazily.
+        with contextlib.suppress(Exception):
+            await predictor.aclose()
+
+    async def _save_loop(self) -> None:
+        settings = self._config.predictor
+        assert settings.snapshot_path
+        while True:
+            await asyncio.sleep(settings.save_interval_s)
+            if self.predictor is not None:
+                await asyncio.to_thread(self.predictor.save, settings.snapshot_path)
+
+    # -- per request ----------------------------------------------------------------------
+
+    def size(self, job: Job) -> asyncio.Task[None] | None:
+        """Count the prompt with the backend's tokenizer when the job must queue (its size can
+        then change the order); a job that starts at once keeps the estimate until its usage
+        reports the true count. Nothing waits for the count: it runs beside the prediction,
+        and if it lands after the job was queued it rekeys the job (`Dispatcher.resized`).
+        The caller cancels the task when the request ends."""
+        counter, call = self._counter, job.ctx.call
+        if counter is None or self._dispatcher.can_start_now(call.model):
+            return None
+
+        async def count() -> None:
+            job.prompt_tokens, job.ctx.trace.prompt_count_source = await counter.count(call)
+            self._dispatcher.resized(job)
+
+        return asyncio.create_task(count())
+
+    async def predict(self, job: Job) -> None:
+        """Give `job` its predicted length distribution.
+
+        When the job would start at once (nothing of its model waiting, a backend free), the
+        prediction cannot change any decision yet, so the job starts on the recent global
+        distribution and the semantic prediction runs beside it (it still feeds the running
+        key, the admin view and the prediction-error metric): an idle gateway adds no
+        embedding time to TTFT. Otherwise the prediction orders the queue, so the job waits
+        for it (its time is part of TTFT).
+        """
+        predictor = self.predictor
+        if predictor is None:
+            return
+        ticket: Ticket = job.ctx
+        call = ticket.call
+        if self._dispatcher.can_start_now(call.model):
+            dist = predictor.global_dist(job.prompt_tokens, model=call.model)
+            job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
+            ticket.refining = self._beside(self._refine(predictor, job))
+            return
+        await self._refine(predictor, job)
+
+    def learn(self, job: Job) -> None:
+        """Teach the predictor a completed job's true length (`trace.output_tokens`), in the
+        background."""
+        if self.predictor is not None and job.ctx.trace.output_tokens > 0:
+            self._beside(_observe(self.predictor, job.ctx))
+
+    async def _refine(self, predictor: LengthPredictor, job: Job) -> None:
+        from predictor import request_text
+
+        ticket: Ticket = job.ctx
+        call, trace = ticket.call, ticket.trace
+        start = time.monotonic()
+        ticket.prompt_vector = vec = await predictor.embed_async(request_text(call.text_body))
+        # the prompt count runs beside the embedding and is never waited for: if it is done,
+        # `job.prompt_tokens` is the backend's count; if not, it rekeys the queued job when it is
+        dist = await predictor.predict_vector_async(
+            vec, prompt_tokens=job.prompt_tokens, max_tokens=call.max_tokens, model=call.model
+        )
+        job.rank_score = await asyncio.to_thread(
+            predictor.rank_score, vec, job.prompt_tokens, call.model
+        )
+        trace.predictor_s = time.monotonic() - start
+        trace.predicted_median = dist.quantile(0.5)
+        job.dist = dist
+
+    def _beside(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        """Run predictor work beside the request; bounded, so a predictor that falls behind
+        the traffic sheds work instead of growing memory. The task, or None if shed."""
+        if len(self.background) >= MAX_PENDING:
+            work.close()
+            return None
+        task = asyncio.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self._forget)
+        return task
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background predictor work failed: %r", task.exception())
+
+
+async def _observe(predictor: LengthPredictor, ticket: Ticket) -> None:
+    """Learn with the prompt's embedding from the prediction: wait for a prediction still
+    running beside the request rather than embed the prompt a second time (if the prediction
+    failed or was shed, the prompt is embedded now)."""
+    from predictor import request_text
+
+    if ticket.refining is not None:
+        await asyncio.wait([ticket.refining])
+    call, trace = ticket.call, ticket.trace
+    prompt_tokens = trace.prompt_tokens or call.prompt_tokens_estimate  # usage's, if any
+    await predictor.observe_async(
+        request_text(call.text_body), trace.output_tokens, prompt_tokens,
+        vector=ticket.prompt_vector, model=call.model,
+    )  # fmt: skip
+
+
+def _load(config: GatewayConfig) -> LengthPredictor:
+    from predictor import LengthPredictor
+
+    settings = config.predictor
+    path = settings.snapshot_path
+    if path and os.path.exists(path):
+        log.info("predictor: loading snapshot %s", path)
+        return LengthPredictor.load(path)
+    predictor = LengthPredictor()
+    if settings.warm_start_jsonl:
+        n = predictor.warm_start(settings.warm_start_jsonl)
+        log.info("predictor: warm start learned %d requests", n)
+    return predictor
