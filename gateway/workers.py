@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -90,7 +91,7 @@ async def _parent(config: GatewayConfig) -> int:
         for slot in slots:
             _spawn(config, path, slot)
         if not await _all_ready(authority, slots, stop):
-            return 1
+            return 0 if stop.is_set() else 1  # a stop signal while starting is no failure
         log.info("listening on http://%s:%d with %d workers", config.host, config.port,
                  config.workers)  # fmt: skip
         await _supervise(config, path, slots, stop)
@@ -204,7 +205,24 @@ def worker_main(config: GatewayConfig, path: str, index: int) -> None:
     )
     runner = _runner()
     with runner:
-        runner.run(_worker(config, path, index))
+        runner.run(_worker(worker_config(config, index), path, index))
+
+
+def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
+    """Worker `index`'s config: the files a worker writes are its own. Its traffic capture
+    goes to `<capture.dir>/worker-<index>`; worker 0 keeps the predictor snapshot, worker i > 0
+    saves to `<snapshot_path>.worker-<i>` (the first time starting from worker 0's), so no
+    two processes write one file."""
+    predictor, capture = config.predictor, config.capture
+    path = predictor.snapshot_path
+    if path and index > 0:
+        own = f"{path}.worker-{index}"
+        if not os.path.exists(own) and os.path.exists(path):
+            shutil.copyfile(path, own)
+        predictor = dataclasses.replace(predictor, snapshot_path=own)
+    if capture.dir is not None:
+        capture = dataclasses.replace(capture, dir=os.path.join(capture.dir, f"worker-{index}"))
+    return dataclasses.replace(config, predictor=predictor, capture=capture)
 
 
 async def _worker(config: GatewayConfig, path: str, index: int) -> None:

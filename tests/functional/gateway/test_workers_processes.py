@@ -1,0 +1,182 @@
+"""`sagesched serve --workers 2` as real processes next to `sagesched emulate`: one queue for
+both workers (a burst starts in the `--workers 1` order), connections spread over the
+workers, metrics summed, SIGTERM drains in-flight streams and exits 0, a killed worker is
+restarted and its request's backend slot comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from fixtures.scrape import scrape, total
+
+from loadgen.procs import Children, free_port, sagesched
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ADMIN = {"Authorization": "Bearer adm"}
+BURST = [  # (class, max_tokens, prompt), as in test_workers_authority
+    ("standard", 40, "Tell me about rivers."),
+    ("batch", 8, "Summarise bridges."),
+    ("standard", 6, "Yes or no: tea?"),
+    ("interactive", 30, "Explain jazz."),
+    ("standard", 12, "Name a glacier."),
+    ("interactive", 5, "Say hi."),
+    ("batch", 20, "List chess openings."),
+    ("standard", 25, "Describe volcanoes."),
+    ("interactive", 15, "Define railways."),
+    ("standard", 3, "Bees?"),
+]
+
+
+@pytest.fixture
+def children(tmp_path: Path) -> Iterator[Children]:
+    with Children(tmp_path / "logs", grace_s=70) as c:
+        yield c
+
+
+@pytest.fixture
+def backend(children: Children) -> str:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    children.start("emulator", sagesched("emulate", "--profile", "cpu-tiny-vllm", "--port",
+                                         str(port)), url + "/health")  # fmt: skip
+    return url
+
+
+def start_gateway(children: Children, tmp_path: Path, backend: str, workers: int,
+                  policy: str = "fcfs") -> tuple[str, subprocess.Popen[bytes]]:  # fmt: skip
+    port = free_port()
+    config = tmp_path / f"gw-{port}.yaml"
+    config.write_text(f"policy: {policy}\npreemption: false\nadmin_key: adm\n"
+                      f"backends: [{{url: '{backend}', max_inflight: 1}}]\n"
+                      "adaptive_cap: {enabled: false}\nhealth_interval_s: 0.5\n")  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    cmd = sagesched("serve", "--config", str(config), "--port", str(port),
+                    "--workers", str(workers))  # fmt: skip
+    proc = children.start(f"gateway-{port}", cmd, url + "/ready", timeout_s=180)
+    return url, proc
+
+
+def chat(text: str, n: int) -> dict[str, Any]:
+    return {"model": "tiny-llama", "messages": [{"role": "user", "content": text}],
+            "max_tokens": n, "ignore_eos": True, "stream": True}  # fmt: skip
+
+
+def fresh() -> aiohttp.ClientSession:
+    """A client whose every request opens its own connection (so the kernel picks a worker
+    for each)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+async def admin(url: str, view: str) -> Any:
+    async with fresh() as s, s.get(f"{url}/admin/{view}", headers=ADMIN) as r:
+        assert r.status == 200
+        return await r.json()
+
+
+async def until(url: str, view: str, check: Any, timeout_s: float = 60) -> Any:
+    """Poll an admin view of the authority until `check(view)` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not check(data := await admin(url, view)):
+        assert time.monotonic() < deadline, f"/admin/{view} never satisfied the check: {data}"
+        await asyncio.sleep(0.05)
+    return data
+
+
+def inflight(data: Any) -> int:
+    return int(sum(b["inflight"] for b in data["backends"]))
+
+
+async def stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                 headers: dict[str, str] | None = None) -> tuple[float, bytes]:  # fmt: skip
+    async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        first = await r.content.readany()
+        return time.monotonic(), first + await r.read()
+
+
+async def burst_order(url: str) -> list[int]:
+    """Hold the one slot, queue BURST one request at a time (each admitted before the next,
+    each on its own connection), free the slot, return the order in which they started."""
+    async with fresh() as s:
+        blocker = asyncio.create_task(stream(s, url, chat("Write a long essay.", 2000)))
+        await until(url, "backends", lambda d: inflight(d) == 1)
+        tasks = []
+        for i, (klass, n, text) in enumerate(BURST):
+            headers = {"X-SageSched-Class": klass}
+            tasks.append(asyncio.create_task(stream(s, url, chat(text, n), headers)))
+            await until(url, "queue", lambda d, i=i: d["waiting"] == i + 1)
+        blocker.cancel()
+        starts = await asyncio.gather(*tasks)
+    return sorted(range(len(BURST)), key=lambda i: starts[i][0])
+
+
+async def test_two_workers_share_one_queue_spread_connections_and_sum_metrics(
+    children: Children, tmp_path: Path, backend: str
+) -> None:
+    one, proc = start_gateway(children, tmp_path, backend, 1, "sagesched")
+    single = await burst_order(one)
+    await asyncio.to_thread(children.stop, proc)
+    two, _ = start_gateway(children, tmp_path, backend, 2, "sagesched")
+    assert await burst_order(two) == single
+    assert single != list(range(len(BURST)))
+    sent = len(BURST) + 1
+    async with fresh() as s:  # more requests until both workers served some (each ~1/2)
+        while min(w["admitted"] for w in (await admin(two, "queue"))["workers"]) == 0:
+            assert sent < 60, "every connection went to one worker"
+            await stream(s, two, chat("More.", 3))
+            sent += 1
+    workers = (await admin(two, "queue"))["workers"]
+    assert sorted(w["index"] for w in workers) == [0, 1]
+    assert sum(w["admitted"] for w in workers) == sent
+    for _ in range(4):  # whichever worker answers /metrics, it shows the sum over both
+        samples = await scrape(two + "/metrics")
+        assert total(samples, "sagesched_requests_total", outcome="completed") == sent - 1
+        assert total(samples, "sagesched_requests_total", outcome="cancelled_running") == 1
+        assert total(samples, "sagesched_backend_inflight_cap") == 1
+
+
+async def test_sigterm_drains_in_flight_streams_and_exits_0(
+    children: Children, tmp_path: Path, backend: str
+) -> None:
+    url, proc = start_gateway(children, tmp_path, backend, 2)
+    async with fresh() as s:
+        running = asyncio.create_task(stream(s, url, chat("A long answer.", 300)))
+        queued = asyncio.create_task(stream(s, url, chat("Waits for the slot.", 20)))
+        await until(url, "queue", lambda d: d["waiting"] == 1)
+        proc.send_signal(signal.SIGTERM)  # the parent only: it stops the workers
+        (_, first), (_, second) = await asyncio.wait_for(asyncio.gather(running, queued), 90)
+    assert first.endswith(b"data: [DONE]\n\n") and second.endswith(b"data: [DONE]\n\n")
+    assert first.count(b'"content":"') - first.count(b'"content":""') == 300
+    assert await asyncio.to_thread(proc.wait, 90) == 0
+
+
+async def test_a_killed_worker_is_restarted_and_its_slot_comes_back(
+    children: Children, tmp_path: Path, backend: str
+) -> None:
+    url, _ = start_gateway(children, tmp_path, backend, 2)
+    async with fresh() as s:
+        doomed = asyncio.create_task(stream(s, url, chat("A very long answer.", 2000)))
+        data = await until(url, "queue", lambda d: any(w["holding"] for w in d["workers"]))
+        holder = next(w for w in data["workers"] if w["holding"])
+        assert inflight(await admin(url, "backends")) == 1
+        os.kill(holder["pid"], signal.SIGKILL)
+        with pytest.raises((aiohttp.ClientError, AssertionError)):
+            await asyncio.wait_for(doomed, 30)
+        await until(url, "backends", lambda d: inflight(d) == 0)  # the slot came back
+        data = await until(url, "queue", lambda d: len(d["workers"]) == 2
+                           and all(w["ready"] for w in d["workers"]))  # fmt: skip
+        reborn = next(w for w in data["workers"] if w["index"] == holder["index"])
+        assert reborn["pid"] != holder["pid"]
+        for _ in range(6):  # both workers serve again
+            _, answer = await stream(s, url, chat("After the restart.", 5))
+            assert answer.endswith(b"data: [DONE]\n\n")
