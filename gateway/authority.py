@@ -179,7 +179,13 @@ class Authority:
             while line := await reader.readline():
                 msg = wire.unpack(line)
                 conn.received[msg["op"]] += 1
-                await self._handle(conn, msg)
+                try:
+                    await self._handle(conn, msg)
+                except Exception:  # a bug with one request must not drop the worker's others
+                    log.exception("authority: failed on %s from worker %d", msg["op"], conn.index)
+                    if "rid" in msg:
+                        error = wire.error_fields(GatewayError("internal error in the gateway"))
+                        conn.send({"op": "error", "rid": msg["rid"], "error": error})
                 self._soon()
         except (ConnectionError, ValueError) as exc:
             log.warning("worker %d: connection failed: %r", conn.index, exc)
