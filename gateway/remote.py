@@ -39,7 +39,7 @@ from gateway.backends import Backend, BackendPool
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.dispatcher import Dispatcher
 from gateway.errors import GatewayError, NoBackend, UpstreamFailed
-from gateway.slot import Attempt, Grant, PreemptWindow
+from gateway.slot import Attempt, Grant, PreemptWindow, Slot
 from policies import Job, Policy
 
 if TYPE_CHECKING:
@@ -187,6 +187,12 @@ class RemoteSlot:
     def _forget(self) -> None:
         self._held = False
         self._link.slots.pop(self.job.id, None)
+
+
+if TYPE_CHECKING:
+
+    def _conforms(slot: RemoteSlot) -> Slot:
+        return slot  # mypy checks that a RemoteSlot meets the Slot contract
 
 
 def _settled(future: asyncio.Future[Any] | None) -> bool:
