@@ -92,12 +92,18 @@ class WorkerConn:
         self.admitted = 0
         self.received: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()
+        self.exposition = b""
+        """The worker's series at its last scrape (kept when it goes)."""
 
     def send(self, msg: wire.Message) -> None:
-        if self.writer.is_closing():
+        writer = self.writer
+        if writer.is_closing():
             return
         self.sent[msg["op"]] += 1
-        self.writer.write(wire.pack(msg))
+        writer.write(wire.pack(msg))
+        if writer.transport.get_write_buffer_size() > wire.BUFFER_LIMIT:
+            log.error("worker %d does not read its messages: dropping it", self.index)
+            writer.close()
 
     def describe(self) -> dict[str, Any]:
         return {"index": self.index, "pid": self.pid, "ready": self.ready,
@@ -120,6 +126,9 @@ class Authority:
         self._flush_soon = False
         self._pool_state: list[dict[str, Any]] = []
         self._scrapes: dict[int, tuple[int, list[bytes], asyncio.Future[None]]] = {}
+        self._retired = b""
+        """Counters and histograms of workers that are gone, at their last scrape: a
+        restarted worker counts from zero, and the sum must not fall back."""
         self._sids = iter(range(1, 1 << 62))
 
     async def start(self, path: str) -> None:
@@ -203,6 +212,8 @@ class Authority:
             await self._release(conn, held)
         if conn in self.workers:
             self.workers.remove(conn)
+            if conn.exposition:
+                self._retired = merge_expositions(b"", [self._retired, conn.exposition])
 
     async def _handle(self, conn: WorkerConn, msg: wire.Message) -> None:
         op = msg["op"]
@@ -222,7 +233,7 @@ class Authority:
         elif op == "call":
             asyncio.create_task(self._answer(conn, msg))  # noqa: RUF006 - short, self-ending
         elif op == "exposition":
-            self._scraped(msg)
+            self._scraped(conn, msg)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -385,13 +396,14 @@ class Authority:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(done), SCRAPE_TIMEOUT_S)
         self._scrapes.pop(sid, None)
-        return merge_expositions(self.metrics.exposition(), texts)
+        return merge_expositions(self.metrics.exposition(), [*texts, self._retired])
 
-    def _scraped(self, msg: wire.Message) -> None:
+    def _scraped(self, conn: WorkerConn, msg: wire.Message) -> None:
+        conn.exposition = msg["text"].encode()
         entry = self._scrapes.get(msg["sid"])
         if entry is None:
             return
         wanted, texts, done = entry
-        texts.append(msg["text"].encode())
+        texts.append(conn.exposition)
         if len(texts) >= wanted and not done.done():
             done.set_result(None)

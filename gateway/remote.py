@@ -97,6 +97,8 @@ class RemoteSlot:
 
     async def __aenter__(self) -> RemoteSlot:
         link, rid = self._link, self.job.id
+        if link.gone is not None:
+            raise link.gone
         self._admitted = link.loop.create_future()
         link.slots[rid] = self
         link.send({"op": "admit", "rid": rid, "job": wire.job_fields(self.job)})
@@ -120,6 +122,8 @@ class RemoteSlot:
         self._exit()
 
     async def granted(self) -> Grant:
+        if self._link.gone is not None:
+            _fail(self._next, self._link.gone)
         return await self._next
 
     def tokens(self, n: int) -> None:
@@ -254,6 +258,8 @@ class AuthorityLink:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._sids = itertools.count(1)
         self._lost: list[Callable[[], None]] = []
+        self.gone: AuthorityGone | None = None
+        """Set once the connection closed: nothing can be admitted or granted any more."""
         self._first_pool = self.loop.create_future()
         self._task = asyncio.create_task(self._read(), name="authority-link")
 
@@ -279,8 +285,13 @@ class AuthorityLink:
         return pool, RemoteDispatcher(policy, pool, config, self)
 
     def send(self, msg: wire.Message) -> None:
-        if not self._writer.is_closing():
-            self._writer.write(wire.pack(msg))
+        writer = self._writer
+        if writer.is_closing():
+            return
+        writer.write(wire.pack(msg))
+        if writer.transport.get_write_buffer_size() > wire.BUFFER_LIMIT:
+            log.error("the authority does not read its messages: closing the connection")
+            writer.close()
 
     def ready(self) -> None:
         """The worker listens on the port."""
@@ -335,7 +346,7 @@ class AuthorityLink:
             _resolve(self._calls.get(msg["sid"]), msg["data"])
 
     def _gone(self) -> None:
-        error = AuthorityGone("the gateway's scheduling authority is gone")
+        self.gone = error = AuthorityGone("the gateway's scheduling authority is gone")
         for slot in list(self.slots.values()):
             slot.lost(error)
         for future in self._calls.values():

@@ -31,6 +31,9 @@ Message = dict[str, Any]
 
 LINE_LIMIT = 64 * 1024 * 1024
 """Longest message (bytes): a merged metrics exposition is the largest, a job ~1-10 kB."""
+BUFFER_LIMIT = 64 * 1024 * 1024
+"""Bytes waiting to be sent to a peer that does not read them: beyond it the connection is
+closed (a stuck worker's requests are then finished, not its messages kept)."""
 
 
 def pack(msg: Message) -> bytes:

@@ -165,6 +165,10 @@ async def test_a_killed_worker_is_restarted_and_its_slot_comes_back(
 ) -> None:
     url, _ = start_gateway(children, tmp_path, backend, 2)
     async with fresh() as s:
+        for _ in range(6):
+            await stream(s, url, chat("Before.", 3))
+        samples = await scrape(url + "/metrics")  # every worker's series, as of now
+        assert total(samples, "sagesched_requests_total", outcome="completed") == 6
         doomed = asyncio.create_task(stream(s, url, chat("A very long answer.", 2000)))
         data = await until(url, "queue", lambda d: any(w["holding"] for w in d["workers"]))
         holder = next(w for w in data["workers"] if w["holding"])
@@ -180,3 +184,6 @@ async def test_a_killed_worker_is_restarted_and_its_slot_comes_back(
         for _ in range(6):  # both workers serve again
             _, answer = await stream(s, url, chat("After the restart.", 5))
             assert answer.endswith(b"data: [DONE]\n\n")
+    # the restarted worker counts from zero; the dead one's series are kept as last scraped
+    samples = await scrape(url + "/metrics")
+    assert total(samples, "sagesched_requests_total", outcome="completed") == 12
