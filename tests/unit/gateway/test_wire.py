@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gateway import wire
@@ -19,6 +21,7 @@ from gateway.errors import (
 )
 from gateway.metrics import RequestTrace
 from gateway.openai_api import parse_call
+from gateway.workers import worker_config
 from policies import Job, LengthDist
 
 BACKEND = {"backends": [{"url": "http://a:1"}]}
@@ -67,3 +70,17 @@ def test_a_job_crosses_with_its_prediction() -> None:
     assert back is not None
     assert back.support.tolist() == dist.support.tolist()
     assert back.probs.tolist() == pytest.approx(dist.probs.tolist(), abs=1e-15)
+
+
+def test_each_worker_writes_its_own_files(tmp_path: Path) -> None:
+    snapshot = tmp_path / "history.bin"
+    snapshot.write_bytes(b"worker 0's history")
+    config = load(None, {**BACKEND, "workers": 3, "capture": {"dir": str(tmp_path / "cap")},
+                         "predictor": {"snapshot_path": str(snapshot)}}, {})  # fmt: skip
+    zero, two = worker_config(config, 0), worker_config(config, 2)
+    assert zero.predictor.snapshot_path == str(snapshot)
+    assert two.predictor.snapshot_path == f"{snapshot}.worker-2"
+    assert Path(f"{snapshot}.worker-2").read_bytes() == b"worker 0's history"  # its start
+    assert (zero.capture.dir, two.capture.dir) == (str(tmp_path / "cap" / "worker-0"),
+                                                   str(tmp_path / "cap" / "worker-2"))  # fmt: skip
+    assert worker_config(load(None, BACKEND, {}), 1).capture.dir is None
