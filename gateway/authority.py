@@ -238,7 +238,13 @@ class Authority:
     # -- requests ---------------------------------------------------------------------
 
     async def _admit(self, conn: WorkerConn, msg: wire.Message) -> None:
+        """Queue a worker's job; with `now`, only if it starts at once (the worker skipped
+        its prediction on a pushed state that may be stale by the time the job arrives):
+        otherwise `later`, and the worker sends it again with its prediction."""
         rid = msg["rid"]
+        if msg.get("now") and not self.dispatcher.can_start_now(msg["job"]["model"]):
+            conn.send({"op": "later", "rid": rid})
+            return
         slot = self.dispatcher.slot(self._job(msg["job"]))
         try:
             await slot.__aenter__()
@@ -380,7 +386,7 @@ class Authority:
                     "running": d.running_snapshot(),
                     "workers": [c.describe() for c in self.workers]}  # fmt: skip
         else:
-            data = {"backends": self._pool_rows()}
+            data = self._pool_rows()
         conn.send({"op": "reply", "sid": msg["sid"], "data": data})
 
     async def exposition(self) -> bytes:

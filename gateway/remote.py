@@ -89,22 +89,27 @@ class RemoteSlot:
         self.review_at: int | None = None
         self.window: PreemptWindow | None = None
         self._link = link
-        self._admitted: asyncio.Future[None] | None = None
+        self._admitted: asyncio.Future[str] | None = None
         self._next: asyncio.Future[Grant] = link.loop.create_future()
         self._backend = ""
         self._excluded: set[str] = set()
         self._held = False
 
     async def __aenter__(self) -> RemoteSlot:
-        link, rid = self._link, self.job.id
+        """Admit the job. A job that skipped waiting for its prediction because the pushed
+        state said it would start at once is admitted only if it still does (the authority
+        decides, atomically); if not, it waits for its prediction and is admitted with it,
+        as one process would have done."""
+        link = self._link
         if link.gone is not None:
             raise link.gone
-        self._admitted = link.loop.create_future()
-        link.slots[rid] = self
-        link.send({"op": "admit", "rid": rid, "job": wire.job_fields(self.job)})
+        link.slots[self.job.id] = self
         self._held = True
         try:
-            await self._admitted
+            refining = self.job.ctx.refining
+            if await self._admit(now=refining is not None) == "later":
+                await asyncio.wait([refining])  # the prediction (never cancelled from here)
+                await self._admit(now=False)
         except GatewayError:
             self._forget()  # refused: the authority holds nothing
             raise
@@ -112,6 +117,13 @@ class RemoteSlot:
             self._exit()
             raise
         return self
+
+    async def _admit(self, *, now: bool) -> str:
+        """`admitted`, or `later` (with `now`: the job would not start at once)."""
+        self._admitted = self._link.loop.create_future()
+        msg = {"op": "admit", "rid": self.job.id, "job": wire.job_fields(self.job)}
+        self._link.send({**msg, "now": True} if now else msg)
+        return await self._admitted
 
     async def __aexit__(
         self,
@@ -157,8 +169,8 @@ class RemoteSlot:
 
     def on_message(self, msg: wire.Message) -> None:
         op = msg["op"]
-        if op == "admitted":
-            _resolve(self._admitted, None)
+        if op in ("admitted", "later"):
+            _resolve(self._admitted, op)
             if "grant" in msg:
                 self._grant(msg["grant"])
         elif op == "grant":
@@ -378,25 +390,27 @@ def create_worker_app(
     return app
 
 
-ADMIN_VIEWS = {"/admin/queue": "queue", "/admin/backends": "backends"}
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def worker_routes(link: AuthorityLink) -> Any:
-    """Middleware: `/metrics` from the authority (every process's series, summed), and the
-    admin views' data from the authority once the app's own handler let the caller in."""
+    """Middleware: `/metrics` from the authority (every process's series, summed);
+    `/admin/queue` with the authority's one queue (and its workers) once the app's own handler
+    let the caller in; `/admin/backends` from the pool view refreshed from the authority."""
     from gateway.metrics import CONTENT_TYPE
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method == "GET" and request.path == "/metrics":
+        if request.method != "GET":
+            return await handler(request)
+        if request.path == "/metrics":
             text = await link.call("metrics")
             return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
-        view = ADMIN_VIEWS.get(request.path)
+        if request.path == "/admin/backends":
+            link.pool.apply(await link.call("backends"))
         response = await handler(request)
-        if view is None or request.method != "GET" or response.status != 200:
-            return response
-        return web.json_response(await link.call(view))
+        if request.path == "/admin/queue" and response.status == 200:
+            return web.json_response(await link.call("queue"))
+        return response
 
     return middleware

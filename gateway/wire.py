@@ -6,7 +6,8 @@ encoder never writes a raw newline). Messages are per request, never per token:
 worker → authority                          authority → worker
   hello   {worker, pid}                       pool       {backends: [...]}  (on change)
   ready   {}  (listening on the port)         startable  {models: {model: bool}}  (on change)
-  admit   {rid, job}                          admitted   {rid, grant?}  or  error {rid, error}
+  admit   {rid, job, now?}                    admitted   {rid, grant?}, error {rid, error},
+                                              later {rid}  (with `now`: not at once)
   tokens  {rid, generated}  (review point)    grant      {rid, backend, priority, review_at}
   ended   {rid, attempt, down, generated}     review     {rid, review_at}
   finish  {rid, generated}                    preempt    {rid}

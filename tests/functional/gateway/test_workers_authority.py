@@ -227,3 +227,28 @@ async def test_a_preemption_reaches_the_relay_in_another_worker(
     assert total(samples, "sagesched_preemptions_total") == 1
     assert total(samples, "sagesched_requests_total", outcome="completed") == 2
     assert authority.workers[0].sent["preempt"] == 1
+
+
+async def test_a_stale_start_at_once_state_still_waits_for_the_prediction(
+    start_emulator: StartEmulator, start_workers: StartWorkers
+) -> None:
+    """Worker 1 believes the model is idle (as if the authority's push had not reached it
+    yet) while a request waits: its new request skips the prediction, the authority answers
+    `later`, and the request is admitted again with its prediction, then served."""
+    backend = await start_emulator(time_scale=1.0)
+    workers = await start_workers([{"url": backend, "max_inflight": 1}], policy="sagesched",
+                                  preemption=False)  # fmt: skip
+    authority = workers.authority
+    async with aiohttp.ClientSession() as s:
+        running = asyncio.create_task(stream(s, workers.urls[0], chat("Long.", 2000)))
+        await until(lambda: authority.pool.backends[0].inflight == 1)
+        workers.links[1].startable[MODEL] = True  # stale
+        late = asyncio.create_task(stream(s, workers.urls[1], chat("A short one?", 5)))
+        await until(lambda: authority.dispatcher.waiting() == 1)
+        conn = next(c for c in authority.workers if c.index == 1)
+        assert (conn.sent["later"], conn.received["admit"], conn.admitted) == (1, 2, 1)
+        job = authority.dispatcher.snapshot()[0]
+        assert job["predicted_median"] is not None
+        running.cancel()
+        _, answer = await asyncio.wait_for(late, 30)
+    assert answer.endswith(b"data: [DONE]\n\n")
