@@ -252,3 +252,27 @@ async def test_a_stale_start_at_once_state_still_waits_for_the_prediction(
         running.cancel()
         _, answer = await asyncio.wait_for(late, 30)
     assert answer.endswith(b"data: [DONE]\n\n")
+
+
+async def test_retries_cross_the_socket(start_faulty_backend: Any,
+                                        start_workers: StartWorkers) -> None:  # fmt: skip
+    """A backend that resets before the first byte: the worker's request is granted again on
+    the other backend; when every backend fails, the worker answers 502 as one process does
+    (its own check and the authority's agree)."""
+    bad = await start_faulty_backend("reset_before_headers")
+    good = await start_faulty_backend("ok")
+    workers = await start_workers([bad.url, good.url], policy="fcfs", max_retries=2)
+    async with aiohttp.ClientSession() as s:
+        _, answer = await stream(s, workers.urls[1], chat("Retry me.", 3))
+        assert b"t2" in answer and answer.endswith(b"data: [DONE]\n\n")
+        assert (bad.hits, good.hits) == (["reset_before_headers"], ["ok"])
+        good.set_mode("status_500")
+        bad.set_mode("status_500")
+        await until(lambda: all(b.healthy for b in workers.authority.pool.backends))
+        async with s.post(workers.urls[0] + "/v1/chat/completions", json=chat("Fail.", 3)) as r:
+            assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_failed"
+    samples = await scrape(workers.url + "/metrics")
+    assert total(samples, "sagesched_retries_total") == 3
+    assert total(samples, "sagesched_requests_total", outcome="upstream_error", code="502") == 1
+    assert not any(c.held for c in workers.authority.workers)
+    assert all(b.inflight == 0 for b in workers.authority.pool.backends)
