@@ -6,7 +6,10 @@ component, registered as one of the predictor's `listeners`, also publishes each
 in a background task reads the other replicas' records and learns them with
 `LengthPredictor.learn_vectors`: no re-embedding, and never echoed back (only `observe_async`
 calls listeners). A replica that starts late first learns the stream's most recent records
-(up to `warm_items`, oldest first), so it predicts like the others from its first request.
+(up to `warm_items`, oldest first), so it predicts like the others from its first request;
+a replica restored from a snapshot learns only the records published after it was written
+(`warm_after_s`), which its snapshot cannot hold — including its own, when it crashed
+before saving them — so a restart duplicates nothing.
 
 Why a stream and not pub/sub: a stream keeps the last `maxlen` records (trimmed approximately,
 like the local history ring), so a late starter can warm from it and a replica that lost
@@ -28,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -148,12 +152,15 @@ class SharedLearning:
         encoding: str = "int8",
         buffer_items: int = 1024,
         warm_items: int | None = None,
+        warm_after_s: float | None = None,
         block_ms: int = 1000,
         timeout_s: float = 1.0,
         backoff_s: tuple[float, float] = (0.1, 5.0),
     ) -> None:
         """`maxlen`: records the stream keeps (approximately); `warm_items`: records learned at
-        start (default: the smaller of `maxlen` and the predictor's ring); `block_ms`: longest
+        start (default: the smaller of `maxlen` and the predictor's ring); `warm_after_s`: Unix
+        time before which records are not warmed (the predictor's snapshot, written then,
+        holds them; None: no snapshot, all are learned); `block_ms`: longest
         XREAD wait; `timeout_s`: longest silence beyond it before Redis counts as lost;
         `backoff_s`: first and largest wait between reconnection attempts."""
         if encoding not in ENCODINGS:
@@ -166,6 +173,7 @@ class SharedLearning:
         self.encoding = encoding
         capacity = predictor.config.capacity_items
         self.warm_items = min(maxlen, capacity) if warm_items is None else warm_items
+        self.warm_after_ms = -math.inf if warm_after_s is None else warm_after_s * 1000.0
         self.block_ms, self.timeout_s, self.backoff_s = block_ms, timeout_s, backoff_s
         self._buffer: asyncio.Queue[SharedRecord] = asyncio.Queue(buffer_items)
         self._last_id: bytes | None = None  # newest record id read; None: not warmed yet
@@ -259,8 +267,9 @@ class SharedLearning:
     # -- following ----------------------------------------------------------------------
 
     async def _warm(self, client: aioredis.Redis) -> None:
-        """Learn the stream's `warm_items` newest records of the other replicas, oldest
-        first; remember the newest id so that following misses nothing in between."""
+        """Learn the stream's `warm_items` newest records published after `warm_after_s` (any
+        replica's: none of them is in this predictor yet), oldest first; remember the newest
+        id so that following misses nothing in between."""
         pages: list[list[Entry]] = []
         top, held = b"+", 0
         while held < self.warm_items:
@@ -273,9 +282,13 @@ class SharedLearning:
             pages.append(page)
             held += len(page)
             top = b"(" + page[-1][0]
+            if float(page[-1][1].get(b"t", b"inf")) < self.warm_after_ms:
+                break  # older pages hold only records the snapshot has
         newest = pages[0][0][0] if pages else b"0-0"
+        after = self.warm_after_ms
         for page in reversed(pages):
-            self.warmed += await self._learn(list(reversed(page)))
+            learned = await self._learn(list(reversed(page)), lambda r: r.time_ms >= after)
+            self.warmed += learned
         self._last_id = newest
 
     async def _follow(self, client: aioredis.Redis) -> None:
@@ -288,10 +301,15 @@ class SharedLearning:
             for _, entries in cast(list[tuple[bytes, list[Entry]]], reply or ()):
                 if entries:
                     self._last_id = entries[-1][0]
-                    self.received += await self._learn(entries, timed=True)
+                    self.received += await self._learn(entries, self._theirs, timed=True)
 
-    async def _learn(self, entries: Sequence[Entry], timed: bool = False) -> int:
-        """Learn the records of other replicas among `entries` (one batch per model, off the
+    def _theirs(self, record: SharedRecord) -> bool:
+        return record.replica != self.replica
+
+    async def _learn(
+        self, entries: Sequence[Entry], keep: Callable[[SharedRecord], bool], timed: bool = False
+    ) -> int:
+        """Learn the records among `entries` that `keep` accepts (one batch per model, off the
         loop); returns how many."""
         dim = self.predictor.embedder.dim
         by_model: dict[str, list[SharedRecord]] = {}
@@ -303,7 +321,7 @@ class SharedLearning:
                 if self.malformed == 1:
                     log.warning("shared learning: skipping a malformed record: %s", exc)
                 continue
-            if record.replica != self.replica:
+            if keep(record):
                 by_model.setdefault(record.model, []).append(record)
         learned = 0
         for model, records in by_model.items():

@@ -9,6 +9,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,6 +124,42 @@ async def test_a_replica_started_late_warms_from_the_stream(
     # and it follows what comes next
     await a.observe_async(ESSAY, 901, 12, model=MODEL)
     await until(lambda: share_late.received == 1, within_s=1.0)
+
+
+async def test_a_replica_restored_from_its_snapshot_warms_only_what_it_missed(
+    start_redis: StartRedis, replica: Replica, embedder: Embedder, tmp_path: Path
+) -> None:
+    redis = start_redis()
+    a, share_a = await replica(redis.url, "a")
+    b, share_b = await replica(redis.url, "b")
+    assert await share_a.wait_connected(5) and await share_b.wait_connected(5)
+    for i in range(5):
+        await a.observe_async(f"{ESSAY}, part {i}", 900 + i, 12, model=MODEL)
+    for i in range(3):
+        await b.observe_async(f"Say hi to person {i}", 5, 6, model=MODEL)
+    await until(lambda: share_b.received == 5 and share_a.received == 3, within_s=2.0)
+    await share_b.stop()  # B goes down gracefully: everything it learned is in its snapshot
+    snapshot = tmp_path / "b.snapshot"
+    b.save(snapshot)
+    held = b.own_state(MODEL).index.added
+    assert held == len(SEEDS) + 5 + 3
+    for i in range(2):  # published while B is away
+        await a.observe_async(f"{ESSAY}, later part {i}", 700, 12, model=MODEL)
+    await until(lambda: share_a.published == 7, within_s=2.0)
+
+    restored = LengthPredictor.load(snapshot, embedder=embedder)
+    shared = SharedLearning(
+        restored, redis.url, replica_id="b-restarted", warm_after_s=snapshot.stat().st_mtime
+    )
+    try:
+        await shared.start()
+        assert await shared.wait_connected(5)
+        # only the two it missed: none of the 10 older records (its own 3 included) twice
+        assert shared.warmed == 2
+        assert restored.own_state(MODEL).index.added == held + 2
+    finally:
+        await shared.stop()
+        await restored.aclose()
 
 
 async def test_records_of_another_model_stay_apart(
