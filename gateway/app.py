@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway import passthrough as fwd
+from gateway import shared_learning
 from gateway.backends import BackendPool
 from gateway.capture import CaptureWriter
 from gateway.classes import CLASS_HEADER
@@ -144,6 +145,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     if predictor is not None:
         cache = predictor.embedder.cache
         metrics.watch_embedding_cache(lambda: (cache.hits, cache.misses))
+    shared = await shared_learning.start(config, predictor, metrics)
     state = GatewayState(
         config, metrics, pool, dispatcher, Relay(session, dispatcher, config), predictor
     )
@@ -170,6 +172,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
         await pool.stop()
+        if shared is not None:  # publishes what is buffered, before the last snapshot
+            await shared.stop()
         await _stop_predictor(app, state)
         await session.close()
 

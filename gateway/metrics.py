@@ -13,12 +13,12 @@ config), tenant (the hashed ids of at most `tenant_labels` busiest tenants, else
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -269,6 +269,11 @@ class GatewayMetrics:
         start, read at scrape time, as `sagesched_embedding_cache_lookups_total{result}`."""
         self.registry.register(_CacheLookups(counts))
 
+    def watch_shared_learning(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        """Expose shared learning's plain numbers (`predictor.shared.SharedLearning.stats`),
+        read at scrape time."""
+        self.registry.register(_SharedLearning(stats))
+
     def declare(self, model: str, backend: str, policy: str) -> None:
         """Create the event counters of a (model, backend) at zero, so they are scraped before
         their first event and `increase()` counts that event too."""
@@ -356,6 +361,38 @@ class _CacheLookups(Collector):
         family.add_metric(("hit",), hits)
         family.add_metric(("miss",), misses)
         yield family
+
+
+class _SharedLearning(Collector):
+    """Shared learning between replicas: whether Redis answers, records by result, losses."""
+
+    RESULTS = ("published", "received", "warmed", "dropped", "failed", "malformed")
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily(
+            "sagesched_shared_learning_connected",
+            "1 while the shared-learning Redis answers; 0: this replica learns locally only.",
+            value=s["connected"],
+        )
+        records = CounterMetricFamily(
+            "sagesched_shared_learning_records",
+            "Shared-learning records: published, received (learned from other replicas), warmed "
+            "(learned at start), dropped (publish buffer full), failed (publish lost with Redis), "
+            "malformed.",
+            labels=("result",),
+        )
+        for result in self.RESULTS:
+            records.add_metric((result,), s[result])
+        yield records
+        yield CounterMetricFamily(
+            "sagesched_shared_learning_disconnects",
+            "Times the shared-learning Redis was lost (each logged once).",
+            value=s["disconnects"],
+        )
 
 
 def scrape_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
