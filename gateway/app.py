@@ -177,6 +177,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     if prediction.predictor is not None:
         cache = prediction.predictor.embedder.cache
         metrics.watch_embedding_cache(lambda: (cache.hits, cache.misses))
+    if prediction.shared is not None:
+        metrics.watch_shared_learning(prediction.shared.stats)
     relay = Relay(session, dispatcher, config)
     state = GatewayState(config, metrics, pool, dispatcher, relay, prediction, counter)
     writer: asyncio.Task[None] | None = None

@@ -49,6 +49,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="record every request's counts and times (never text) to DIR")  # fmt: skip
     p.add_argument("--capture-embeddings", action="store_true",
                    help="with --capture: also the prompts' embeddings (sensitive)")  # fmt: skip
+    p.add_argument("--redis-url", help="share learned completions with the other replicas "
+                   "through this Redis (redis://host:6379/0)")  # fmt: skip
+    p.add_argument("--replica-id", help="this replica's name in the shared records")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     return p
 
@@ -89,6 +92,9 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["capture"] = {"dir": args.capture, "embeddings": bool(args.capture_embeddings)}
     if args.predictor_snapshot:
         out["predictor"] = {"snapshot_path": args.predictor_snapshot}
+    if args.redis_url or args.replica_id:
+        shared = {"redis_url": args.redis_url, "replica_id": args.replica_id}
+        out["shared_learning"] = {k: v for k, v in shared.items() if v}
     return out
 
 

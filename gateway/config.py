@@ -176,6 +176,25 @@ class PredictorSettings:
 
 
 @dataclass(frozen=True)
+class SharedLearningSettings:
+    """Completions shared between gateway replicas through a Redis stream (`predictor.shared`);
+    off unless `redis_url` is set. Losing Redis degrades to local learning, never an error."""
+
+    redis_url: str | None = None
+    """`redis://host:6379/0` (`rediss://`, `unix://` too; a password is masked in logs)."""
+    stream: str = "sagesched:learning"
+    """Stream key; replicas that learn from each other use the same one."""
+    maxlen: int = 100_000
+    """Records the stream keeps (trimmed approximately); a late starter warms from them."""
+    replica_id: str = ""
+    """This replica's name in its records (its own are skipped); "" = host name-pid."""
+    encoding: str = "int8"
+    """Embedding encoding in the stream: int8 (~0.55 KB a record) or float32 (~1.9 KB)."""
+    buffer: int = 1024
+    """Records waiting to be published; beyond it a record is dropped and counted."""
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Everything `sagesched serve` needs."""
 
@@ -226,6 +245,7 @@ class GatewayConfig:
     capture: CaptureSettings = field(default_factory=CaptureSettings)
     predictor: PredictorSettings = field(default_factory=PredictorSettings)
     classes: ClassesSettings = field(default_factory=ClassesSettings)
+    shared_learning: SharedLearningSettings = field(default_factory=SharedLearningSettings)
     log_level: str = "INFO"
     """Python logging level."""
 
@@ -253,6 +273,8 @@ _ENV_KEYS = {
     "MAX_WAITING": "max_waiting",
     "QUEUE_TIMEOUT_S": "queue_timeout_s",
     "LOG_LEVEL": "log_level",
+    "REDIS_URL": "shared_learning.redis_url",
+    "REPLICA_ID": "shared_learning.replica_id",
 }
 
 
@@ -268,15 +290,23 @@ def apply_env(data: dict[str, Any], env: Mapping[str, str] | None = None) -> dic
             out[key] = [{"url": u.strip()} for u in value.split(",") if u.strip()]
         elif key == "api_keys":
             out[key] = [k.strip() for k in value.split(",") if k.strip()]
+        elif "." in key:  # a section's key, merged into the file's section
+            section, name = key.split(".")
+            out[section] = {**(out.get(section) or {}), name: value}
         else:
             out[key] = value
     return out
 
 
 def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Overlay explicit values (command-line flags); None means "not given"."""
+    """Overlay explicit values (command-line flags); None means "not given". A section's
+    flags (a mapping) are merged into the section, keeping its other keys."""
     out = dict(data)
-    out.update({k: v for k, v in overrides.items() if v is not None})
+    for k, v in overrides.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = {**out[k], **v}
+        elif v is not None:
+            out[k] = v
     return out
 
 
@@ -309,6 +339,11 @@ def validate(config: GatewayConfig) -> None:
     cap = config.capture
     if cap.max_file_mb <= 0 or cap.max_files < 1 or cap.queue < 1:
         raise ConfigError("capture needs max_file_mb > 0, max_files >= 1 and queue >= 1")
+    shared, schemes = config.shared_learning, ("redis://", "rediss://", "unix://")
+    if shared.redis_url is not None and not shared.redis_url.startswith(schemes):
+        raise ConfigError(f"shared_learning.redis_url must start with one of {schemes}")
+    if shared.maxlen < 1 or shared.buffer < 1 or shared.encoding not in ("int8", "float32"):
+        raise ConfigError("shared_learning needs maxlen, buffer >= 1 and encoding int8 or float32")
     from policies import parse_policy
 
     try:
@@ -342,6 +377,10 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
             b["api_key"] = "***"
     for c in data["classes"]["list"]:
         c["api_keys"] = ["***"] * len(c["api_keys"])
+    if data["shared_learning"]["redis_url"]:
+        from predictor.shared import redacted
+
+        data["shared_learning"]["redis_url"] = redacted(data["shared_learning"]["redis_url"])
     return data
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -254,6 +254,11 @@ class GatewayMetrics:
         """Export the pool's and the dispatcher's state (read at scrape time, see `_Live`)."""
         self.live.pool, self.live.dispatcher = pool, dispatcher
 
+    def watch_shared_learning(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        """Expose shared learning's plain numbers (`predictor.shared.SharedLearning.stats`),
+        read at scrape time."""
+        self.registry.register(_SharedLearning(stats))
+
     def settle(self, t: RequestTrace) -> None:
         """Record a finished request (exactly once per request)."""
         assert t.outcome is not None, "a request must end with an outcome"
@@ -397,6 +402,38 @@ class _CacheLookups(Collector):
         family.add_metric(("hit",), hits)
         family.add_metric(("miss",), misses)
         yield family
+
+
+class _SharedLearning(Collector):
+    """Shared learning between replicas: whether Redis answers, records by result, losses."""
+
+    RESULTS = ("published", "received", "warmed", "dropped", "failed", "malformed")
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily(
+            "sagesched_shared_learning_connected",
+            "1 while the shared-learning Redis answers; 0: this replica learns locally only.",
+            value=s["connected"],
+        )
+        records = CounterMetricFamily(
+            "sagesched_shared_learning_records",
+            "Shared-learning records: published, received (learned from other replicas), warmed "
+            "(learned at start), dropped (publish buffer full), failed (publish lost with Redis), "
+            "malformed.",
+            labels=("result",),
+        )
+        for result in self.RESULTS:
+            records.add_metric((result,), s[result])
+        yield records
+        yield CounterMetricFamily(
+            "sagesched_shared_learning_disconnects",
+            "Times the shared-learning Redis was lost (each logged once).",
+            value=s["disconnects"],
+        )
 
 
 def scrape_values(text: str, names: tuple[str, ...]) -> dict[str, float]:

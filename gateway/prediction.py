@@ -21,6 +21,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
+from gateway import shared_learning
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher, Ticket
 from gateway.prompts import PromptCounter
@@ -28,6 +29,7 @@ from policies import Job
 
 if TYPE_CHECKING:
     from predictor import LengthPredictor
+    from predictor.shared import SharedLearning
 
 log = logging.getLogger("sagesched.gateway")
 
@@ -54,6 +56,8 @@ class Prediction:
         self._counter = counter
         self._given = given
         self.predictor: LengthPredictor | None = None
+        self.shared: SharedLearning | None = None
+        """Learning shared with other replicas through Redis (`shared_learning`; None: off)."""
         """None when the policy needs no prediction and none was asked for."""
         self.background: set[asyncio.Task[None]] = set()
         """Predictor work running beside requests (refinements, learning); bounded."""
@@ -77,6 +81,7 @@ class Prediction:
             self.predictor = self._given
         else:
             self.predictor = await asyncio.to_thread(_load, self._config)
+        self.shared = await shared_learning.start(self._config, self.predictor)
         if settings.snapshot_path and settings.save_interval_s > 0:
             self._saver = asyncio.create_task(self._save_loop(), name="predictor-saver")
 
@@ -89,6 +94,9 @@ class Prediction:
                 await self._saver
             self._saver = None
         await asyncio.gather(*self.background, return_exceptions=True)
+        if self.shared is not None:  # publishes what is buffered, before the last snapshot
+            await self.shared.stop()
+            self.shared = None
         predictor, self.predictor = self.predictor, None
         if predictor is None:
             return

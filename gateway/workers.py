@@ -212,7 +212,8 @@ def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
     """Worker `index`'s config: the files a worker writes are its own. Its traffic capture
     goes to `<capture.dir>/worker-<index>`; worker 0 keeps the predictor snapshot, worker i > 0
     saves to `<snapshot_path>.worker-<i>` (the first time starting from worker 0's), so no
-    two processes write one file."""
+    two processes write one file. A configured shared-learning replica id gets the suffix
+    `-worker-<index>`, so the workers of one host learn each other's completions too."""
     predictor, capture = config.predictor, config.capture
     path = predictor.snapshot_path
     if path and index > 0:
@@ -222,7 +223,11 @@ def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
         predictor = dataclasses.replace(predictor, snapshot_path=own)
     if capture.dir is not None:
         capture = dataclasses.replace(capture, dir=os.path.join(capture.dir, f"worker-{index}"))
-    return dataclasses.replace(config, predictor=predictor, capture=capture)
+    shared = config.shared_learning
+    if shared.replica_id:  # a replica skips its own records: the workers must differ
+        shared = dataclasses.replace(shared, replica_id=f"{shared.replica_id}-worker-{index}")
+    return dataclasses.replace(config, predictor=predictor, capture=capture,
+                               shared_learning=shared)  # fmt: skip
 
 
 async def _worker(config: GatewayConfig, path: str, index: int) -> None:

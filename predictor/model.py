@@ -18,7 +18,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from statistics import NormalDist
@@ -39,6 +39,10 @@ from predictor.state import (
     save_states,
 )
 from predictor.text import clip_text
+
+Learned = Callable[[str | None, Embeddings, int, int], None]
+"""A listener told of each completion `observe_async` learned: (model, embedding, prompt
+tokens, output tokens). Called on the event loop; it must not block (`predictor.shared`)."""
 
 _PRIOR_SIGMA = 1.0  # log-space spread of the cold-start prior (±1σ ≈ ×2.7)
 
@@ -153,6 +157,9 @@ class LengthPredictor:
         self._states_lock = threading.Lock()
         self._prior = prior_dist(cfg.prior_median_tokens)
         self._async: AsyncEmbedder | None = None
+        self.listeners: list[Learned] = []
+        """Told of every completion `observe_async` learns (not of `learn_vectors` calls, so
+        records learned from other replicas are not echoed back)."""
 
     @property
     def index(self) -> HistoryIndex:
@@ -405,6 +412,8 @@ class LengthPredictor:
         if prompt_tokens is None:
             prompt_tokens = (await asyncio.to_thread(self.count_tokens, [prompt]))[0]
         await asyncio.to_thread(self.learn_vectors, vec, [output_tokens], [prompt_tokens], model)
+        for listener in self.listeners:
+            listener(model, vec, prompt_tokens, output_tokens)
 
     def warm_start(
         self, jsonl: str | os.PathLike[str], batch_size: int = 256, *, model: str | None = None

@@ -2,7 +2,8 @@
 
 The fixtures live in `tests/fixtures/` (imported here as plugins) so other folders can use
 them: `emulator_url` / `start_emulator` (in-process emulated vLLM) and `real_vllm` /
-`real_vllm_priority` (one real vLLM CPU server per test session; slow).
+`real_vllm_priority` (one real vLLM CPU server per test session; slow), `start_redis` (a real
+redis-server on a free port).
 """
 
 pytest_plugins = [
@@ -10,5 +11,6 @@ pytest_plugins = [
     "fixtures.gateway_fixtures",
     "fixtures.prometheus_fixtures",
     "fixtures.real_vllm_fixtures",
+    "fixtures.redis_fixtures",
     "fixtures.worker_fixtures",
 ]

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -22,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = ROOT / "deploy" / "compose"
 STACKS = {"gpu": ["compose.gpu.yml"], "cpu": ["compose.cpu.yml"],
           "cpu-vllm": ["compose.cpu.yml", "compose.cpu-vllm.yml"]}  # fmt: skip
-SERVICES = {"vllm", "gateway", "prometheus", "grafana"}
+SERVICES = {"vllm", "gateway", "gateway-2", "redis", "prometheus", "grafana"}
+REPLICAS = ("gateway", "gateway-2")
 
 
 def interpolate(value: Any) -> Any:
@@ -64,18 +66,25 @@ def test_stack_has_every_service_with_a_healthcheck(stack: str) -> None:
         assert "image" in svc, name
         assert svc["healthcheck"]["test"][0] == "CMD", name
     assert services["gateway"]["ports"] == ["8080:8080"]
+    assert services["gateway-2"]["ports"] == ["8081:8080"]
     assert services["grafana"]["ports"] == ["3000:3000"]
     assert services["prometheus"]["ports"] == ["9090:9090"]
 
 
-@pytest.mark.parametrize("stack", STACKS)
-def test_gateway_command_is_a_valid_sagesched_serve(stack: str) -> None:
-    svc = merged(STACKS[stack])["services"]["gateway"]
-    assert svc["build"]["context"] == "../.." and (COMPOSE / "../../Dockerfile").is_file()
+def replica_config(svc: dict[str, Any]) -> GatewayConfig:
+    """A gateway service's config, built from its command and environment by the real CLI."""
     command = svc["command"]
     assert command[0] == "serve"
     args = gateway_cli.build_parser("sagesched serve").parse_args(command[1:])
-    config = load(None, gateway_cli.overrides(args), env={})
+    return load(None, gateway_cli.overrides(args), env=svc.get("environment") or {})
+
+
+@pytest.mark.parametrize("replica", REPLICAS)
+@pytest.mark.parametrize("stack", STACKS)
+def test_gateway_command_is_a_valid_sagesched_serve(stack: str, replica: str) -> None:
+    svc = merged(STACKS[stack])["services"][replica]
+    assert svc["build"]["context"] == "../.." and (COMPOSE / "../../Dockerfile").is_file()
+    config = replica_config(svc)
     assert [b.url for b in config.backends] == ["http://vllm:8000"]
     assert config.host == "0.0.0.0" and config.port == GatewayConfig().port
     snapshot = config.predictor.snapshot_path
@@ -83,6 +92,26 @@ def test_gateway_command_is_a_valid_sagesched_serve(stack: str) -> None:
     mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
     assert str(Path(snapshot).parent) in mounts, "the predictor snapshot must be on a volume"
     assert svc["depends_on"]["vllm"]["condition"] == "service_healthy"
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_replicas_share_learning_through_redis_and_keep_their_own_snapshots(stack: str) -> None:
+    services = merged(STACKS[stack])["services"]
+    redis = services["redis"]
+    assert redis["image"].split(":")[1].startswith("7")
+    assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+    configs = {name: replica_config(services[name]) for name in REPLICAS}
+    for name, config in configs.items():
+        url = urlsplit(config.shared_learning.redis_url or "")
+        assert (url.hostname, url.port or 6379) == ("redis", 6379), name
+        # Redis is optional: a replica starts (and serves) without it
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_started"
+    ids = {c.shared_learning.replica_id for c in configs.values()}
+    assert len(ids) == len(REPLICAS) and "" not in ids  # each skips its own records only
+    streams = {c.shared_learning.stream for c in configs.values()}
+    assert len(streams) == 1  # one stream: they learn from each other
+    volumes = {services[name]["volumes"][0].split(":")[0] for name in REPLICAS}
+    assert len(volumes) == len(REPLICAS), "each replica saves its snapshot on its own volume"
 
 
 def test_gpu_stack_runs_official_vllm_image_on_a_gpu_with_priority_scheduling() -> None:
@@ -130,7 +159,7 @@ def test_prometheus_and_grafana_wiring_matches_the_service_names() -> None:
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]}  # fmt: skip
-    assert targets == {"gateway:8080", "vllm:8000"}
+    assert targets == {"gateway:8080", "gateway-2:8080", "vllm:8000"}
     assert {t.split(":")[0] for t in targets} <= set(services)
     datasources = ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml"
     url = yaml.safe_load(datasources.read_text())["datasources"][0]["url"]

@@ -9,26 +9,41 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
 from gateway.app import create_app
-from gateway.config import GatewayConfig, build, parse
+from gateway.config import GatewayConfig, build, load, parse
 
 K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 KINDS = {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget",
          "ServiceMonitor"}  # fmt: skip
 
 
-def manifests() -> dict[str, dict[str, Any]]:
-    """kind → the one object of that kind, from the files the kustomization lists."""
+GATEWAY, REDIS = "sagesched-gateway", "sagesched-redis"
+
+
+def all_manifests() -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) → object, from the files the kustomization lists."""
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[tuple[str, str], dict[str, Any]] = {}
     for name in kustomization["resources"]:
         for doc in yaml.safe_load_all((K8S / name).read_text()):
-            assert doc["kind"] not in out, f"two {doc['kind']} objects"
-            assert doc["apiVersion"] and doc["metadata"]["name"]
-            out[doc["kind"]] = doc
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in out, f"two {key} objects"
+            assert doc["apiVersion"]
+            out[key] = doc
+    return out
+
+
+def manifests(name: str = GATEWAY) -> dict[str, dict[str, Any]]:
+    """kind → the object of that kind named `name` (the gateway's by default), or the only
+    object of a kind that has one."""
+    out: dict[str, dict[str, Any]] = {}
+    for (kind, obj_name), doc in all_manifests().items():
+        if obj_name == name or kind not in out:
+            out[kind] = doc
     return out
 
 
@@ -44,6 +59,10 @@ def gateway_config() -> GatewayConfig:
 
 def test_every_kind_is_present_and_listed() -> None:
     assert set(manifests()) == KINDS
+    assert {name for kind, name in all_manifests() if kind in ("Deployment", "Service")} == {
+        GATEWAY,
+        REDIS,
+    }
     listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
 
@@ -136,10 +155,52 @@ def test_resources_and_security() -> None:
     assert pod["securityContext"]["runAsUser"] != 0
 
 
+def test_redis_for_shared_learning_is_reached_by_its_service_and_selected_by_nothing_else() -> None:
+    redis = manifests(REDIS)
+    deployment, service = redis["Deployment"], redis["Service"]
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    (c,) = pod["spec"]["containers"]
+    assert c["image"].split(":")[1].startswith("7")
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    (port,) = service["spec"]["ports"]
+    assert ports[port["targetPort"]] == 6379
+    # the gateway's config points at this Service
+    url = urlsplit(gateway_config().shared_learning.redis_url or "")
+    assert (url.hostname, url.port) == (service["metadata"]["name"], port["port"])
+    # and the gateway's selectors (Service, PDB, ServiceMonitor) never pick the Redis pod
+    gw = manifests()
+    for selector in (
+        gw["Service"]["spec"]["selector"],
+        gw["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+    ):
+        assert not selector.items() <= labels.items()
+    assert not gw["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= (
+        service["metadata"]["labels"].items()
+    )
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_each_gateway_pod_names_itself_in_the_shared_records(tmp_path: Path) -> None:
+    env = {e["name"]: e for e in container()["env"]}
+    field = env["SAGESCHED_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert field == "metadata.name"
+    path = tmp_path / "gateway.yaml"  # the ConfigMap's file, then the pod's environment
+    path.write_text(manifests()["ConfigMap"]["data"]["gateway.yaml"])
+    shared = load(
+        str(path), {}, {"SAGESCHED_REPLICA_ID": "sagesched-gateway-7d9f-x2"}
+    ).shared_learning
+    assert shared.replica_id == "sagesched-gateway-7d9f-x2" and shared.redis_url
+
+
 def test_kubectl_kustomize_renders_the_manifests() -> None:
     kubectl = shutil.which("kubectl")
     assert kubectl is not None, "kubectl is missing: `make system-deps` installs it"
     proc = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True,
                           timeout=60, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert {d["kind"] for d in yaml.safe_load_all(proc.stdout)} == KINDS
+    rendered = [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(proc.stdout)]
+    assert {kind for kind, _ in rendered} == KINDS
+    assert sorted(rendered) == sorted(all_manifests())

@@ -84,3 +84,7 @@ def test_each_worker_writes_its_own_files(tmp_path: Path) -> None:
     assert (zero.capture.dir, two.capture.dir) == (str(tmp_path / "cap" / "worker-0"),
                                                    str(tmp_path / "cap" / "worker-2"))  # fmt: skip
     assert worker_config(load(None, BACKEND, {}), 1).capture.dir is None
+    shared = load(None, {**BACKEND, "shared_learning": {"redis_url": "redis://r:6379",
+                                                        "replica_id": "gw-a"}}, {})  # fmt: skip
+    assert worker_config(shared, 1).shared_learning.replica_id == "gw-a-worker-1"
+    assert worker_config(load(None, BACKEND, {}), 1).shared_learning.replica_id == ""
