@@ -188,10 +188,12 @@ class BackendPool:
         return list(cards.values())
 
     def pick(self, model: str, exclude: frozenset[str] | set[str] = frozenset()) -> Backend | None:
-        """The least-loaded healthy backend with room that serves `model`, or None."""
-        open_ = [
-            b for b in self.backends if model in b.models and b.name not in exclude and b.has_room()
-        ]
+        """The least-loaded healthy backend with room that serves `model`, or None. Only this
+        gateway's own backends (`BackendConfig.owned`, one replica's share) while one of them
+        serving `model` is healthy: another replica's would be over-admitted."""
+        serving = [b for b in self.backends if model in b.models and b.name not in exclude]
+        mine = [b for b in serving if b.config.owned and b.healthy] or serving
+        open_ = [b for b in mine if b.has_room()]
         return min(open_, key=lambda b: b.inflight / b.cap, default=None)
 
     def candidates(self, model: str, exclude: set[str]) -> int:

@@ -40,6 +40,21 @@ class BackendConfig:
     """Bearer token sent upstream, if the backend wants one."""
     priority_scheduling: bool = False
     """The backend runs `--scheduling-policy priority`, so it accepts `priority`."""
+    owned: bool = True
+    """This gateway admits requests here (else only while none of its own backends serving the
+    model is healthy). With `replicas` the pipeline keeps it only on this replica's share."""
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """Several gateway replicas behind one Service, each with its own queue: backend i (in
+    `backends` order) belongs to replica i mod `count`, so no two replicas admit into one
+    backend (docs/gateway.md, "Several replicas"; measured in docs/benchmarks.md)."""
+
+    count: int = 1
+    """Gateway replicas in the deployment (at most the number of backends)."""
+    index: int = 0
+    """This replica's index, 0 to count - 1 (e.g. a StatefulSet's pod ordinal)."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +261,7 @@ class GatewayConfig:
     predictor: PredictorSettings = field(default_factory=PredictorSettings)
     classes: ClassesSettings = field(default_factory=ClassesSettings)
     shared_learning: SharedLearningSettings = field(default_factory=SharedLearningSettings)
+    replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
     log_level: str = "INFO"
     """Python logging level."""
 
@@ -295,6 +311,9 @@ def apply_env(data: dict[str, Any], env: Mapping[str, str] | None = None) -> dic
             out[section] = {**(out.get(section) or {}), name: value}
         else:
             out[key] = value
+    for suffix, key in (("REPLICAS", "count"), ("REPLICA_INDEX", "index")):
+        if (value := env.get(ENV_PREFIX + suffix)) is not None:
+            out["replicas"] = {**out.get("replicas", {}), key: value}
     return out
 
 
@@ -314,7 +333,11 @@ def build(data: Mapping[str, Any]) -> GatewayConfig:
     """Mapping → `GatewayConfig`, rejecting unknown keys and values of the wrong type."""
     config: GatewayConfig = _build(GatewayConfig, data, "")
     validate(config)
-    return config
+    n, me = config.replicas.count, config.replicas.index
+    owned = (
+        dataclasses.replace(b, owned=b.owned and i % n == me) for i, b in enumerate(config.backends)
+    )
+    return dataclasses.replace(config, backends=tuple(owned))
 
 
 def validate(config: GatewayConfig) -> None:
@@ -334,6 +357,9 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"{key} must be >= 1")
     if config.queue_timeout_s <= 0:
         raise ConfigError("queue_timeout_s must be > 0")
+    rep = config.replicas
+    if not 0 <= rep.index < rep.count <= len(config.backends):
+        raise ConfigError("replicas: need 0 <= index < count <= number of backends")
     if config.tokenizer.timeout_s <= 0 or config.tokenizer.cache_entries < 0:
         raise ConfigError("tokenizer.timeout_s must be > 0 and tokenizer.cache_entries >= 0")
     cap = config.capture

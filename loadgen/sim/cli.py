@@ -19,6 +19,7 @@ from loadgen.regions import (
     region_factor,
 )
 from loadgen.schema import Window
+from loadgen.sim.replicas import ADMISSIONS, BALANCINGS, Replicas, simulate_replicas
 from loadgen.sim.simulator import contender_names, resolve, simulate
 
 HEADLINE = (
@@ -54,6 +55,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--belief-sigma", type=float, default=0.2, help="σ of the predicted-length belief"
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    rep = p.add_argument_group("several gateway replicas (docs/simulator.md)")
+    rep.add_argument("--replicas", type=int, default=1, help="gateway replicas, each its own queue")
+    rep.add_argument(
+        "--backends", type=int, default=1, help="identical backends (the load is per backend)"
+    )
+    rep.add_argument("--balancing", choices=BALANCINGS, default="least-loaded")
+    rep.add_argument("--admission", choices=ADMISSIONS, default="independent")
+    rep.add_argument("--seed", type=int, default=0, help="seed of random balancing")
     return p
 
 
@@ -100,21 +109,27 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     token_s = profile.iteration_s(1, 0, 0)
     cap = None if args.inflight_cap == 0 else args.inflight_cap
     contenders = [resolve(s.strip(), inflight_cap=cap) for s in args.policies.split(",")]
+    setup = Replicas(args.replicas, args.backends, args.balancing, args.admission, args.seed)
+    plain = setup.count == setup.backends == 1
     windows = _windows(args.source, args.windows)
     if not windows:
         raise SystemExit(f"no windows selected from {args.source}")
     rows: dict[str, list[dict[str, float]]] = {c.name: [] for c in contenders}
     wall = time.perf_counter()
     for w in windows:
-        reqs = compress(w.requests, _factor(w, args))
+        reqs = compress(w.requests, _factor(w, args) * setup.backends)
         for c in contenders:
-            res = simulate(reqs, c, profile, belief_sigma=args.belief_sigma)
+            if plain:
+                res = simulate(reqs, c, profile, belief_sigma=args.belief_sigma)
+            else:
+                res = simulate_replicas(reqs, c, profile, setup, belief_sigma=args.belief_sigma)
             rows[c.name].append(summarize(res.records, token_s=token_s))
     out: dict[str, object] = {
         "source": args.source,
         "windows": len(windows),
         "load": _load_label(args),
         "profile": profile.name,
+        **({} if plain else {"replicas": setup.label}),
         "wall_s": round(time.perf_counter() - wall, 3),
         "contenders": {
             name: {k: _mean([r[k] for r in rs]) for k in rs[0]} for name, rs in rows.items()
@@ -136,7 +151,8 @@ def _table(out: dict[str, object]) -> str:
     width = max(len(n) for n in contenders)
     lines = [
         f"{out['source']}  {out['windows']} windows  {out['load']}  profile {out['profile']}"
-        f"  ({out['wall_s']} s)",
+        + (f"  {out['replicas']}" if "replicas" in out else "")
+        + f"  ({out['wall_s']} s)",
         f"{'contender':<{width}}  " + "  ".join(f"{h:>12.12}" for h in HEADLINE),
     ]
     for name, metrics in contenders.items():
