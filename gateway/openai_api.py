@@ -27,6 +27,9 @@ PATHS: dict[Kind, str] = {
 # A cheap prompt-size estimate (≈4 characters per token for English BPE vocabularies). The
 # scheduler only needs a magnitude for the kv cost model; vLLM's usage gives exact counts.
 CHARS_PER_TOKEN = 4.0
+MAX_DEPTH = 128
+"""Deepest nesting of arrays and objects accepted in a body (a JSON schema in `tools` or
+`response_format` is a few levels; 400 beyond)."""
 
 
 @dataclass(slots=True)
@@ -66,14 +69,34 @@ class Call:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """JSON object or `InvalidRequest`."""
+    """JSON object or `InvalidRequest`. Nesting beyond `MAX_DEPTH` is refused as invalid
+    input: deeper than the parser's recursion limit (a body of 100,000 `[`) it would be a
+    RecursionError, and a body the parser just accepts could still fail when it is encoded
+    again for the backend, deeper in the stack."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest(f"request body is nested deeper than {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    # bytes.count bounds the depth at C speed: only a body with that many brackets is walked
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _too_deep(body):
+        raise InvalidRequest(f"request body is nested deeper than {MAX_DEPTH} levels")
     return body
+
+
+def _too_deep(value: Any) -> bool:
+    """Is any container nested deeper than `MAX_DEPTH`? (iterative: no recursion limit)"""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 def parse_call(kind: Kind, body: dict[str, Any], tenant: str | None = None) -> Call:

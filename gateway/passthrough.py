@@ -61,8 +61,8 @@ def body_model(raw: bytes, content_type: str) -> str | None:
         return None
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
-        return None  # the backend answers bad JSON in its own words
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None  # the backend answers bad JSON (or JSON nested too deeply) in its own words
     model = body.get("model") if isinstance(body, dict) else None
     return model if isinstance(model, str) and model else None
 
