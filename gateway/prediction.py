@@ -148,9 +148,11 @@ class Prediction:
             return
         ticket: Ticket = job.ctx
         call = ticket.call
+        if not has_text(ticket):  # token ids only: nothing to embed (see `has_text`)
+            _global(predictor, job)
+            return
         if self._dispatcher.can_start_now(call.model):
-            dist = predictor.global_dist(job.prompt_tokens, model=call.model)
-            job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
+            _global(predictor, job)
             ticket.refining = self._beside(self._refine(predictor, job))
             return
         await self._refine(predictor, job)
@@ -158,8 +160,9 @@ class Prediction:
     def learn(self, job: Job) -> None:
         """Teach the predictor a completed job's true length (`trace.output_tokens`), in the
         background."""
-        if self.predictor is not None and job.ctx.trace.output_tokens > 0:
-            self._beside(_observe(self.predictor, job.ctx))
+        ticket: Ticket = job.ctx
+        if self.predictor is not None and ticket.trace.output_tokens > 0 and has_text(ticket):
+            self._beside(_observe(self.predictor, ticket))
 
     async def _refine(self, predictor: LengthPredictor, job: Job) -> None:
         from predictor import request_text
@@ -195,6 +198,25 @@ class Prediction:
         self.background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("background predictor work failed: %r", task.exception())
+
+
+def has_text(ticket: Ticket) -> bool:
+    """Does the request carry text to embed? A prompt of token ids only (`/v1/completions`
+    with `prompt: [1, 2, 3]`) does not: rendering the ids as digits would embed a meaningless
+    string, and the empty string would make every such prompt the neighbour of every other.
+    Such a request is predicted from the global distribution of recent completions at its
+    prompt size (the ids' count), and its completion is not learned into the neighbour index
+    (docs/reliability.md, "Token-id prompts")."""
+    from predictor import request_text
+
+    return bool(request_text(ticket.call.text_body).strip())
+
+
+def _global(predictor: LengthPredictor, job: Job) -> None:
+    """The recent global distribution at the job's prompt size, capped at its max tokens."""
+    call = job.ctx.call
+    dist = predictor.global_dist(job.prompt_tokens, model=call.model)
+    job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
 
 
 async def _observe(predictor: LengthPredictor, ticket: Ticket) -> None:
