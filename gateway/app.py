@@ -145,6 +145,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/queue", admin_queue)
     app.router.add_get("/admin/backends", admin_backends)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_route("*", "/{tail:.*}", _counted(_passthrough))  # last: everything else
     return app
 
@@ -318,6 +319,13 @@ async def ready(request: web.Request) -> web.Response:
     if request.app[STATE].pool.ready():
         return web.json_response({"status": "ready"})
     return web.json_response({"status": "no healthy backend"}, status=503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI document of the gateway's own routes (`gateway.openapi`)."""
+    from gateway.openapi import document
+
+    return web.json_response(document())
 
 
 async def metrics(request: web.Request) -> web.Response:

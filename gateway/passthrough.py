@@ -40,6 +40,7 @@ GATEWAY_PATHS = frozenset(
         "/health",
         "/ready",
         "/metrics",
+        "/openapi.json",
     }
 )
 """Paths the gateway answers itself: another method on them is a 405, never proxied."""
