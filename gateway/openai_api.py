@@ -27,6 +27,9 @@ PATHS: dict[Kind, str] = {
 # A cheap prompt-size estimate (≈4 characters per token for English BPE vocabularies). The
 # scheduler only needs a magnitude for the kv cost model; vLLM's usage gives exact counts.
 CHARS_PER_TOKEN = 4.0
+MAX_INT = 2**63 - 1
+"""Largest integer accepted in a field the gateway uses (a 400-digit `max_tokens` would
+overflow the scheduler's floats; no engine accepts one)."""
 MAX_DEPTH = 128
 """Deepest nesting of arrays and objects accepted in a body (a JSON schema in `tools` or
 `response_format` is a few levels; 400 beyond)."""
@@ -144,6 +147,8 @@ def _typed(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     # bool is an int in Python; refuse it where a number is meant, and numbers where a bool is.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise InvalidRequest(f"'{key}' must be of type {kind.__name__}", param=key)
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:  # JSON ints: no bound
+        raise InvalidRequest(f"'{key}' must be a 64-bit integer", param=key)
     return value
 
 

@@ -165,12 +165,10 @@ class Prediction:
             self._beside(_observe(self.predictor, ticket))
 
     async def _refine(self, predictor: LengthPredictor, job: Job) -> None:
-        from predictor import request_text
-
         ticket: Ticket = job.ctx
         call, trace = ticket.call, ticket.trace
         start = time.monotonic()
-        ticket.prompt_vector = vec = await predictor.embed_async(request_text(call.text_body))
+        ticket.prompt_vector = vec = await predictor.embed_async(embedded_text(ticket))
         # the prompt count runs beside the embedding and is never waited for: if it is done,
         # `job.prompt_tokens` is the backend's count; if not, it rekeys the queued job when it is
         dist = await predictor.predict_vector_async(
@@ -207,9 +205,17 @@ def has_text(ticket: Ticket) -> bool:
     Such a request is predicted from the global distribution of recent completions at its
     prompt size (the ids' count), and its completion is not learned into the neighbour index
     (docs/reliability.md, "Token-id prompts")."""
+    return bool(embedded_text(ticket).strip())
+
+
+def embedded_text(ticket: Ticket) -> str:
+    """The text the predictor embeds for this request (`predictor.request_text`), as valid
+    Unicode: JSON lets a client send lone surrogates ("\\ud800"), which the tokenizer refuses;
+    they become U+FFFD."""
     from predictor import request_text
 
-    return bool(request_text(ticket.call.text_body).strip())
+    text = request_text(ticket.call.text_body)
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def _global(predictor: LengthPredictor, job: Job) -> None:
@@ -223,14 +229,12 @@ async def _observe(predictor: LengthPredictor, ticket: Ticket) -> None:
     """Learn with the prompt's embedding from the prediction: wait for a prediction still
     running beside the request rather than embed the prompt a second time (if the prediction
     failed or was shed, the prompt is embedded now)."""
-    from predictor import request_text
-
     if ticket.refining is not None:
         await asyncio.wait([ticket.refining])
     call, trace = ticket.call, ticket.trace
     prompt_tokens = trace.prompt_tokens or call.prompt_tokens_estimate  # usage's, if any
     await predictor.observe_async(
-        request_text(call.text_body), trace.output_tokens, prompt_tokens,
+        embedded_text(ticket), trace.output_tokens, prompt_tokens,
         vector=ticket.prompt_vector, model=call.model,
     )  # fmt: skip
 
