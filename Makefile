@@ -6,13 +6,17 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo lint typecheck unit timing bench-policies clean vllm-env system-deps
+.PHONY: test test-fast demo lint typecheck unit timing bench-policies clean vllm-env system-deps lock
 
-$(STAMP): pyproject.toml
+# Versions are pinned by requirements.lock (constraints: only what pyproject.toml asks for is
+# installed, at the locked version); `make lock` refreshes it from the venv.
+LOCK := requirements.lock
+
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c $(LOCK) torch==2.13.0
+	$(BIN)/pip install --quiet -c $(LOCK) -e '.[dev]'
 	$(BIN)/python -m predictor.onnx_export  # the ONNX embedder, exported locally (no network)
 	touch $(STAMP)
 
@@ -64,6 +68,11 @@ demo: $(STAMP)
 
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policy_core.py
+
+# Rewrite requirements.lock from the venv (after a dependency change in pyproject.toml).
+lock: $(STAMP)
+	{ sed -n '/^#/p' $(LOCK); $(BIN)/pip freeze --exclude-editable | grep -v '^sagesched=='; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -51,6 +51,7 @@ from gateway.openai_api import Kind, parse_body, parse_call
 from gateway.prediction import Prediction
 from gateway.prompts import PromptCounter
 from gateway.relay import Relay
+from gateway.security import AdminListener, admin_middleware, key_matches, limits_middleware
 from policies import Job, Policy, parse_policy
 
 if TYPE_CHECKING:
@@ -99,6 +100,8 @@ STATE = web.AppKey("sagesched_state", GatewayState)
 REMOTE = web.AppKey("sagesched_remote", Remote)
 CONFIG = web.AppKey("sagesched_config", GatewayConfig)
 PREDICTOR = web.AppKey("sagesched_predictor", object)
+ADMIN = web.AppKey("sagesched_admin_listener", AdminListener)
+"""Where the admin address listens, once bound (`gateway.security.admin_socket`)."""
 JOB = web.RequestKey("sagesched_job", Job)
 """A generating request's job, once it exists (settling reads its ticket)."""
 
@@ -131,8 +134,11 @@ def create_app(
     config: GatewayConfig, *, predictor: LengthPredictor | None = None
 ) -> web.Application:
     """Build the gateway app. Pass `predictor` to share a loaded one (tests, embedding)."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    listener = AdminListener()
+    middlewares = [error_middleware, limits_middleware(config), admin_middleware(listener)]
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = config
+    app[ADMIN] = listener
     if predictor is not None:
         app[PREDICTOR] = predictor
     app.cleanup_ctx.append(lifecycle)
@@ -145,6 +151,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/queue", admin_queue)
     app.router.add_get("/admin/backends", admin_backends)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_route("*", "/{tail:.*}", _counted(_passthrough))  # last: everything else
     return app
 
@@ -297,7 +304,7 @@ def _token(request: web.Request) -> str:
 
 
 def _authorize(request: web.Request, keys: tuple[str, ...]) -> None:
-    if keys and _token(request) not in keys:
+    if keys and not key_matches(_token(request), keys):
         raise Unauthorized("missing or invalid API key")
 
 
@@ -320,6 +327,13 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response({"status": "no healthy backend"}, status=503)
 
 
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI document of the gateway's own routes (`gateway.openapi`)."""
+    from gateway.openapi import document
+
+    return web.json_response(document())
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[STATE].metrics.exposition()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
@@ -330,7 +344,7 @@ def _admin(request: web.Request) -> GatewayState:
     key = state.config.admin_key
     if key is None:
         raise web.HTTPNotFound()
-    if request.headers.get("Authorization", "") != f"Bearer {key}":
+    if not key_matches(request.headers.get("Authorization", ""), (f"Bearer {key}",)):
         raise Unauthorized("admin routes need the admin key")
     return state
 

@@ -35,6 +35,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="relay processes sharing the port, one scheduling queue per host "
                    "(default 1: one process)")  # fmt: skip
     p.add_argument("--admin-key", help="bearer token for /admin routes")
+    p.add_argument("--admin-listen", metavar="HOST:PORT",
+                   help="serve /admin routes only on this address")  # fmt: skip
     p.add_argument("--api-key", action="append", help="accepted client API key (repeatable)")
     p.add_argument("--max-waiting", type=int, help="queue bound (429 beyond)")
     p.add_argument("--queue-timeout", type=float, dest="queue_timeout_s", help="seconds before 503")
@@ -66,6 +68,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
             "port",
             "workers",
             "admin_key",
+            "admin_listen",
             "max_waiting",
             "queue_timeout_s",
             "preemption",
@@ -102,7 +105,8 @@ def serve(config: GatewayConfig) -> int:
     """Run until SIGINT/SIGTERM (aiohttp's `run_app`), then shut down gracefully: in-flight
     requests get up to 60 s. On uvloop when it is installed. With `workers` > 1: worker
     processes and one scheduling authority (`gateway.workers`). Returns the exit status."""
-    from gateway.app import create_app
+    from gateway.app import ADMIN, create_app
+    from gateway.security import admin_socket, server_limits
 
     if config.workers > 1:
         from gateway import workers
@@ -116,9 +120,13 @@ def serve(config: GatewayConfig) -> int:
     except ImportError:
         loop = None
     log = logging.getLogger("sagesched.gateway")
+    app = create_app(config)
+    admin = admin_socket(config, app[ADMIN])
+    if admin is not None:
+        log.info("admin routes on http://%s only", config.admin_listen)
     web.run_app(
-        create_app(config), host=config.host, port=config.port, backlog=1024,
-        handler_cancellation=True, access_log=None, loop=loop,
+        app, host=config.host, port=config.port, sock=admin, backlog=1024,
+        handler_cancellation=True, access_log=None, loop=loop, **server_limits(config),
         print=lambda _: log.info("listening on http://%s:%d", config.host, config.port),
     )  # fmt: skip
     return 0

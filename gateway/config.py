@@ -233,6 +233,14 @@ class GatewayConfig:
     """Retry-After seconds sent with 429."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest request body accepted (413 beyond)."""
+    max_headers: int = 100
+    """Request headers accepted (431 beyond; aiohttp's parser cuts at twice this)."""
+    max_header_bytes: int = 8192
+    """Largest request header (name and value) and request target (431 / 414 beyond)."""
+    admin_listen: str | None = None
+    """`host:port` serving the admin routes (`/admin/*`) alone; the main address then answers
+    them 404 (None: admin routes on the main address, as before). `/metrics` stays on the main
+    address."""
     max_retries: int = 2
     """Extra backends tried when one fails before the first byte."""
     api_keys: tuple[str, ...] = ()
@@ -284,6 +292,7 @@ _ENV_KEYS = {
     "WORKERS": "workers",
     "POLICY": "policy",
     "ADMIN_KEY": "admin_key",
+    "ADMIN_LISTEN": "admin_listen",
     "API_KEYS": "api_keys",
     "BACKENDS": "backends",
     "MAX_WAITING": "max_waiting",
@@ -352,11 +361,17 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"backend url {b.url!r} must start with http:// or https://")
         if b.max_inflight < 1:
             raise ConfigError(f"backends[{b.name}].max_inflight must be >= 1")
-    for key in ("max_waiting", "max_body_bytes", "port", "workers"):
+    if config.admin_listen is not None:
+        host, _, port = config.admin_listen.rpartition(":")
+        if not host or not port.isdigit() or int(port) == config.port:
+            raise ConfigError("admin_listen must be host:port, on another port than the gateway")
+    for key in ("max_waiting", "max_body_bytes", "port", "workers", "max_headers"):
         if getattr(config, key) < 1:
             raise ConfigError(f"{key} must be >= 1")
     if config.queue_timeout_s <= 0:
         raise ConfigError("queue_timeout_s must be > 0")
+    if config.max_header_bytes < 1024:
+        raise ConfigError("max_header_bytes must be >= 1024")
     rep = config.replicas
     if not 0 <= rep.index < rep.count <= len(config.backends):
         raise ConfigError("replicas: need 0 <= index < count <= number of backends")

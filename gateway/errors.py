@@ -97,6 +97,23 @@ class PayloadTooLarge(GatewayError):
     )
 
 
+class HeadersTooLarge(GatewayError):
+    """Too many request headers, or one too large (`max_headers`, `max_header_bytes`)."""
+
+    status, type, code, outcome = (
+        431,
+        "invalid_request_error",
+        "headers_too_large",
+        Outcome.REJECTED,
+    )
+
+
+class UriTooLong(GatewayError):
+    """The request target is longer than `max_header_bytes`."""
+
+    status, type, code, outcome = 414, "invalid_request_error", "uri_too_long", Outcome.REJECTED
+
+
 class QueueFull(GatewayError):
     status, type, code, outcome = 429, "rate_limit_error", "queue_full", Outcome.QUEUE_FULL
 

@@ -27,6 +27,12 @@ PATHS: dict[Kind, str] = {
 # A cheap prompt-size estimate (≈4 characters per token for English BPE vocabularies). The
 # scheduler only needs a magnitude for the kv cost model; vLLM's usage gives exact counts.
 CHARS_PER_TOKEN = 4.0
+MAX_INT = 2**63 - 1
+"""Largest integer accepted in a field the gateway uses (a 400-digit `max_tokens` would
+overflow the scheduler's floats; no engine accepts one)."""
+MAX_DEPTH = 128
+"""Deepest nesting of arrays and objects accepted in a body (a JSON schema in `tools` or
+`response_format` is a few levels; 400 beyond)."""
 
 
 @dataclass(slots=True)
@@ -66,14 +72,34 @@ class Call:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """JSON object or `InvalidRequest`."""
+    """JSON object or `InvalidRequest`. Nesting beyond `MAX_DEPTH` is refused as invalid
+    input: deeper than the parser's recursion limit (a body of 100,000 `[`) it would be a
+    RecursionError, and a body the parser just accepts could still fail when it is encoded
+    again for the backend, deeper in the stack."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest(f"request body is nested deeper than {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    # bytes.count bounds the depth at C speed: only a body with that many brackets is walked
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _too_deep(body):
+        raise InvalidRequest(f"request body is nested deeper than {MAX_DEPTH} levels")
     return body
+
+
+def _too_deep(value: Any) -> bool:
+    """Is any container nested deeper than `MAX_DEPTH`? (iterative: no recursion limit)"""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 def parse_call(kind: Kind, body: dict[str, Any], tenant: str | None = None) -> Call:
@@ -121,6 +147,8 @@ def _typed(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     # bool is an int in Python; refuse it where a number is meant, and numbers where a bool is.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise InvalidRequest(f"'{key}' must be of type {kind.__name__}", param=key)
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:  # JSON ints: no bound
+        raise InvalidRequest(f"'{key}' must be a 64-bit integer", param=key)
     return value
 
 

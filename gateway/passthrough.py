@@ -40,6 +40,7 @@ GATEWAY_PATHS = frozenset(
         "/health",
         "/ready",
         "/metrics",
+        "/openapi.json",
     }
 )
 """Paths the gateway answers itself: another method on them is a 405, never proxied."""
@@ -61,8 +62,8 @@ def body_model(raw: bytes, content_type: str) -> str | None:
         return None
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
-        return None  # the backend answers bad JSON in its own words
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None  # the backend answers bad JSON (or JSON nested too deeply) in its own words
     model = body.get("model") if isinstance(body, dict) else None
     return model if isinstance(model, str) and model else None
 

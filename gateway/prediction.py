@@ -148,9 +148,11 @@ class Prediction:
             return
         ticket: Ticket = job.ctx
         call = ticket.call
+        if not has_text(ticket):  # token ids only: nothing to embed (see `has_text`)
+            _global(predictor, job)
+            return
         if self._dispatcher.can_start_now(call.model):
-            dist = predictor.global_dist(job.prompt_tokens, model=call.model)
-            job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
+            _global(predictor, job)
             ticket.refining = self._beside(self._refine(predictor, job))
             return
         await self._refine(predictor, job)
@@ -158,16 +160,15 @@ class Prediction:
     def learn(self, job: Job) -> None:
         """Teach the predictor a completed job's true length (`trace.output_tokens`), in the
         background."""
-        if self.predictor is not None and job.ctx.trace.output_tokens > 0:
-            self._beside(_observe(self.predictor, job.ctx))
+        ticket: Ticket = job.ctx
+        if self.predictor is not None and ticket.trace.output_tokens > 0 and has_text(ticket):
+            self._beside(_observe(self.predictor, ticket))
 
     async def _refine(self, predictor: LengthPredictor, job: Job) -> None:
-        from predictor import request_text
-
         ticket: Ticket = job.ctx
         call, trace = ticket.call, ticket.trace
         start = time.monotonic()
-        ticket.prompt_vector = vec = await predictor.embed_async(request_text(call.text_body))
+        ticket.prompt_vector = vec = await predictor.embed_async(embedded_text(ticket))
         # the prompt count runs beside the embedding and is never waited for: if it is done,
         # `job.prompt_tokens` is the backend's count; if not, it rekeys the queued job when it is
         dist = await predictor.predict_vector_async(
@@ -197,18 +198,43 @@ class Prediction:
             log.warning("background predictor work failed: %r", task.exception())
 
 
+def has_text(ticket: Ticket) -> bool:
+    """Does the request carry text to embed? A prompt of token ids only (`/v1/completions`
+    with `prompt: [1, 2, 3]`) does not: rendering the ids as digits would embed a meaningless
+    string, and the empty string would make every such prompt the neighbour of every other.
+    Such a request is predicted from the global distribution of recent completions at its
+    prompt size (the ids' count), and its completion is not learned into the neighbour index
+    (docs/reliability.md, "Token-id prompts")."""
+    return bool(embedded_text(ticket).strip())
+
+
+def embedded_text(ticket: Ticket) -> str:
+    """The text the predictor embeds for this request (`predictor.request_text`), as valid
+    Unicode: JSON lets a client send lone surrogates ("\\ud800"), which the tokenizer refuses;
+    they become U+FFFD."""
+    from predictor import request_text
+
+    text = request_text(ticket.call.text_body)
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def _global(predictor: LengthPredictor, job: Job) -> None:
+    """The recent global distribution at the job's prompt size, capped at its max tokens."""
+    call = job.ctx.call
+    dist = predictor.global_dist(job.prompt_tokens, model=call.model)
+    job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
+
+
 async def _observe(predictor: LengthPredictor, ticket: Ticket) -> None:
     """Learn with the prompt's embedding from the prediction: wait for a prediction still
     running beside the request rather than embed the prompt a second time (if the prediction
     failed or was shed, the prompt is embedded now)."""
-    from predictor import request_text
-
     if ticket.refining is not None:
         await asyncio.wait([ticket.refining])
     call, trace = ticket.call, ticket.trace
     prompt_tokens = trace.prompt_tokens or call.prompt_tokens_estimate  # usage's, if any
     await predictor.observe_async(
-        request_text(call.text_body), trace.output_tokens, prompt_tokens,
+        embedded_text(ticket), trace.output_tokens, prompt_tokens,
         vector=ticket.prompt_vector, model=call.model,
     )  # fmt: skip
 

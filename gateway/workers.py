@@ -233,7 +233,9 @@ def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
 async def _worker(config: GatewayConfig, path: str, index: int) -> None:
     from aiohttp import web
 
+    from gateway.app import ADMIN
     from gateway.remote import AuthorityLink, create_worker_app
+    from gateway.security import admin_socket, server_limits
 
     link = await AuthorityLink.connect(path, index, config)
     stop = asyncio.Event()
@@ -241,12 +243,16 @@ async def _worker(config: GatewayConfig, path: str, index: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     link.on_lost(stop.set)  # no authority, no scheduling: stop (the parent is gone)
-    runner = web.AppRunner(create_worker_app(config, link), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=DRAIN_S)  # fmt: skip
+    app = create_worker_app(config, link)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=DRAIN_S, **server_limits(config))  # fmt: skip
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_port=True)
         await site.start()
+        admin = admin_socket(config, app[ADMIN], reuse_port=True)
+        if admin is not None:
+            await web.SockSite(runner, admin).start()
         link.ready()
         await stop.wait()
         log.info("worker %d draining", index)
