@@ -7,9 +7,10 @@ SageSched (which also embeds every prompt to predict its length). The backend an
 share core 1; each proxy gets core 0 to itself, so "req/s" is the proxy's one-core capacity
 when the proxy is the bottleneck.
 
-Run: `python bench/gateway_overhead.py [--seconds 3] [--out docs/bench/overhead.json]`.
-Needs nginx (`make system-deps`). Prints one table: TTFT p50/p99, TTFT added over direct,
-requests/s, and requests/s as a ratio of direct.
+Run: `python bench/gateway_overhead.py [--seconds 3] [--out docs/bench/overhead.json]
+[--policies fcfs,sagesched] [--outputs short,long] [--workers 1,2]` (`--workers N`: the
+gateway's `serve --workers N` on cores 0..N-1). Needs nginx (`make system-deps`). Prints one
+table: TTFT p50/p99, TTFT added over direct, requests/s, and requests/s as a ratio of direct.
 """
 
 from __future__ import annotations
@@ -110,9 +111,10 @@ NGINX = textwrap.dedent(
 
 @contextmanager
 def process(
-    cmd: list[str], core: int, ready_url: str, env: dict[str, str] | None = None
+    cmd: list[str], core: int | str, ready_url: str, env: dict[str, str] | None = None
 ) -> Iterator[None]:
-    """Run `cmd` pinned to `core` until the block ends; wait for `ready_url` to answer."""
+    """Run `cmd` pinned to `core` (a CPU, or a taskset list such as "0,1") until the block
+    ends; wait for `ready_url` to answer."""
     full = ["taskset", "-c", str(core), *cmd] if shutil.which("taskset") else cmd
     with tempfile.TemporaryDirectory() as logs, Children(Path(logs), grace_s=15) as children:
         children.start("child", full, ready_url, timeout_s=120, env=env)
@@ -177,7 +179,7 @@ def measure(url: str, seconds: float) -> dict[str, dict[str, float]]:
     return out
 
 
-def gateway_cmd(backend: int, port: int, policy: str) -> list[str]:
+def gateway_cmd(backend: int, port: int, policy: str, workers: int = 1) -> list[str]:
     return [
         PY,
         "-m",
@@ -195,10 +197,19 @@ def gateway_cmd(backend: int, port: int, policy: str) -> list[str]:
         str(port),
         "--log-level",
         "WARNING",
+        "--workers",
+        str(workers),
     ]
 
 
-def run(seconds: float) -> dict[str, dict[str, dict[str, float]]]:
+def run(
+    seconds: float,
+    policies: tuple[str, ...] = ("fcfs", "sagesched"),
+    workers: tuple[int, ...] = (1,),
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Direct, nginx (core 0), then the gateway per policy and worker count: one worker on
+    core 0; N workers on cores 0..N-1 (beyond core 0 shared with the backend and the client
+    on a 2-core machine: the rows then show what the extra process costs and gains there)."""
     results: dict[str, dict[str, dict[str, float]]] = {}
     backend = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -215,12 +226,14 @@ def run(seconds: float) -> dict[str, dict[str, dict[str, float]]]:
                 ["nginx", "-c", str(conf), "-p", tmp], 0, f"http://127.0.0.1:{port}/health"
             ):
                 results["nginx"] = measure(f"http://127.0.0.1:{port}", seconds)
-        for policy in ("fcfs", "sagesched"):
-            port = free_port()
-            with process(
-                gateway_cmd(backend, port, policy), 0, f"http://127.0.0.1:{port}/ready", env
-            ):
-                results[f"gateway-{policy}"] = measure(f"http://127.0.0.1:{port}", seconds)
+        for policy in policies:
+            for n in workers:
+                port = free_port()
+                cores = ",".join(str(i) for i in range(n))
+                cmd = gateway_cmd(backend, port, policy, n)
+                with process(cmd, cores, f"http://127.0.0.1:{port}/ready", env):
+                    name = f"gateway-{policy}" + (f"-{n}w" if n > 1 else "")
+                    results[name] = measure(f"http://127.0.0.1:{port}", seconds)
     return results
 
 
@@ -251,10 +264,16 @@ def main() -> None:
     parser.add_argument(
         "--distinct-prompts", action="store_true", help="a new prompt text for every request"
     )
+    parser.add_argument("--policies", default="fcfs,sagesched", help="gateway policies to run")
+    parser.add_argument("--outputs", default="short,long", help="answer lengths: short, long")
+    parser.add_argument("--workers", default="1", help="gateway worker counts, e.g. 1,2")
     args = parser.parse_args()
     global DISTINCT
     DISTINCT = args.distinct_prompts
-    results = run(args.seconds)
+    for name in set(OUTPUTS) - set(args.outputs.split(",")):
+        del OUTPUTS[name]
+    workers = tuple(int(n) for n in args.workers.split(","))
+    results = run(args.seconds, tuple(args.policies.split(",")), workers)
     print(table(results))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
