@@ -49,7 +49,15 @@ import numpy as np
 from loadgen.engine.model import Engine, Seq, StepResult
 from loadgen.engine.profiles import LatencyProfile, make_profile
 from loadgen.schema import TraceRequest
-from loadgen.sim.simulator import ARRIVAL_EPS_S, Contender, SimResult, _jobs, resolve
+from loadgen.sim.simulator import (
+    ARRIVAL_EPS_S,
+    Contender,
+    SimResult,
+    _jobs,
+    align_to_grid,
+    resolve,
+    snap_to_grid,
+)
 from policies.base import Key
 from policies.capacity import CapController, CapLaw, EngineSample
 from policies.dist import LengthDist
@@ -216,11 +224,11 @@ class _ReplicaRun:
             if not ends:
                 if i == n:
                     break
-                t = max(t, self._align(jobs[i].arrival_s))
+                t = max(t, align_to_grid(self.profile.grid_s, jobs[i].arrival_s))
                 continue
             end = min(ends)
             if i < n and len(ends) < len(engines):  # an idle engine: arrivals come on time
-                at = max(t, self._align(jobs[i].arrival_s))
+                at = max(t, align_to_grid(self.profile.grid_s, jobs[i].arrival_s))
                 if at < end:
                     t = at
                     continue
@@ -237,7 +245,7 @@ class _ReplicaRun:
         res = self.engines[k].step(t, min(next_arrival, sample) - t)
         self.steps += 1
         self.pending[k] = res
-        self.clock[k] = self._snap(t + res.dt_s)
+        self.clock[k] = snap_to_grid(self.profile.grid_s, t + res.dt_s)
 
     def _settle_step(self, k: int, t: float) -> None:
         res = self.pending[k]
@@ -262,14 +270,6 @@ class _ReplicaRun:
             self.caps.append(float(sum(x.limit() or 0 for x in self.per_backend[k])))
             while b.next_sample <= t:  # one reading after an idle gap, as a scrape would see
                 b.next_sample += b.ctl.interval_s
-
-    def _align(self, t: float) -> float:
-        grid = self.profile.grid_s
-        return t if grid is None else math.ceil(t / grid - 1e-6) * grid
-
-    def _snap(self, t: float) -> float:
-        grid = self.profile.grid_s
-        return t if grid is None else round(t / grid) * grid
 
     # -- clients ----------------------------------------------------------------------------
 

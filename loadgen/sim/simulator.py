@@ -176,12 +176,12 @@ class _Run:
             if not engine:
                 if i == n:
                     break
-                t = max(t, self._align(jobs[i].arrival_s))
+                t = max(t, align_to_grid(self.profile.grid_s, jobs[i].arrival_s))
                 continue
             horizon = min(jobs[i].arrival_s if i < n else drain_end, self.next_sample) - t
             res = engine.step(t, horizon)
             self.steps += 1
-            t = self._snap(t + res.dt_s)
+            t = snap_to_grid(self.profile.grid_s, t + res.dt_s)
             if t >= self.next_sample:
                 self._sample(t)
             self.released += len(res.dropped) + len(res.finished)
@@ -206,14 +206,6 @@ class _Run:
         self.caps.append(self.ctl.observe(t, sample, len(self.sched.running), self.released))
         while self.next_sample <= t:  # one reading after an idle gap, as a scrape would see
             self.next_sample += self.ctl.interval_s
-
-    def _align(self, t: float) -> float:
-        grid = self.profile.grid_s
-        return t if grid is None else math.ceil(t / grid - 1e-6) * grid
-
-    def _snap(self, t: float) -> float:
-        grid = self.profile.grid_s
-        return t if grid is None else round(t / grid) * grid
 
     def _gateway(self, t: float) -> None:
         """Preempt if the policy wants to, then fill the engine up to the cap."""
@@ -322,3 +314,13 @@ def simulate(
 
 
 __all__ = ["DEADLINE_EPS_S", "Contender", "SimResult", "belief", "resolve", "simulate"]
+
+
+def align_to_grid(grid: float | None, t: float) -> float:
+    """The first grid point at or after `t` (profiles that step on a fixed grid)."""
+    return t if grid is None else math.ceil(t / grid - 1e-6) * grid
+
+
+def snap_to_grid(grid: float | None, t: float) -> float:
+    """The grid point nearest `t` (no grid: `t`)."""
+    return t if grid is None else round(t / grid) * grid
