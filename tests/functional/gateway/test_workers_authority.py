@@ -14,7 +14,7 @@ import pytest
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import StartGateway
 from fixtures.scrape import scrape, total
-from fixtures.worker_fixtures import RunningWorkers, StartWorkers
+from fixtures.worker_fixtures import BURST, RunningWorkers, StartWorkers
 
 from gateway.authority import REQUEST_OPS
 from predictor import Embedder, LengthPredictor
@@ -46,22 +46,6 @@ async def stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
         first = await r.content.readany()
         at = time.monotonic()
         return at, first + await r.read()
-
-
-# (class, max_tokens, prompt): classes set the band, max_tokens caps the fresh predictor's
-# prior, so SageSched's order is neither arrival order nor one worker's share of it
-BURST = [
-    ("standard", 40, "Tell me about rivers."),
-    ("batch", 8, "Summarise bridges."),
-    ("standard", 6, "Yes or no: tea?"),
-    ("interactive", 30, "Explain jazz."),
-    ("standard", 12, "Name a glacier."),
-    ("interactive", 5, "Say hi."),
-    ("batch", 20, "List chess openings."),
-    ("standard", 25, "Describe volcanoes."),
-    ("interactive", 15, "Define railways."),
-    ("standard", 3, "Bees?"),
-]
 
 
 async def burst_order(urls: list[str], dispatcher: Any, pool: Any) -> list[int]:

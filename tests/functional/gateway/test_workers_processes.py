@@ -17,24 +17,13 @@ from typing import Any
 import aiohttp
 import pytest
 from fixtures.scrape import scrape, total
+from fixtures.worker_fixtures import BURST
 
 from loadgen.procs import Children, free_port, sagesched
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ADMIN = {"Authorization": "Bearer adm"}
-BURST = [  # (class, max_tokens, prompt), as in test_workers_authority
-    ("standard", 40, "Tell me about rivers."),
-    ("batch", 8, "Summarise bridges."),
-    ("standard", 6, "Yes or no: tea?"),
-    ("interactive", 30, "Explain jazz."),
-    ("standard", 12, "Name a glacier."),
-    ("interactive", 5, "Say hi."),
-    ("batch", 20, "List chess openings."),
-    ("standard", 25, "Describe volcanoes."),
-    ("interactive", 15, "Define railways."),
-    ("standard", 3, "Bees?"),
-]
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,13 +85,21 @@ def test_records_round_trip_int8_and_float32(embedder: Embedder) -> None:
         decode({k.encode(): v for k, v in small.items()}, 768)
 
 
+async def connected_pair(
+    replica: Replica, url: str, **options: Any
+) -> tuple[LengthPredictor, SharedLearning, LengthPredictor, SharedLearning]:
+    """Replicas "a" and "b" on one Redis, both connected."""
+    a, share_a = await replica(url, "a", **options)
+    b, share_b = await replica(url, "b", **options)
+    assert await share_a.wait_connected(5) and await share_b.wait_connected(5)
+    return a, share_a, b, share_b
+
+
 async def test_a_completion_learned_by_one_replica_reaches_another_within_a_second(
     start_redis: StartRedis, replica: Replica
 ) -> None:
     redis = start_redis()
-    a, share_a = await replica(redis.url, "a")
-    b, share_b = await replica(redis.url, "b")
-    assert await share_a.wait_connected(5) and await share_b.wait_connected(5)
+    a, share_a, b, share_b = await connected_pair(replica, redis.url)
     before_a, before_b = mean(a, NEAR), mean(b, NEAR)
     assert before_a == before_b < 10  # both know only the short seeds
 
@@ -130,9 +139,7 @@ async def test_a_replica_restored_from_its_snapshot_warms_only_what_it_missed(
     start_redis: StartRedis, replica: Replica, embedder: Embedder, tmp_path: Path
 ) -> None:
     redis = start_redis()
-    a, share_a = await replica(redis.url, "a")
-    b, share_b = await replica(redis.url, "b")
-    assert await share_a.wait_connected(5) and await share_b.wait_connected(5)
+    a, share_a, b, share_b = await connected_pair(replica, redis.url)
     for i in range(5):
         await a.observe_async(f"{ESSAY}, part {i}", 900 + i, 12, model=MODEL)
     for i in range(3):
@@ -166,9 +173,7 @@ async def test_records_of_another_model_stay_apart(
     start_redis: StartRedis, replica: Replica
 ) -> None:
     redis = start_redis()
-    a, share_a = await replica(redis.url, "a")
-    b, share_b = await replica(redis.url, "b")
-    assert await share_a.wait_connected(5) and await share_b.wait_connected(5)
+    a, _, b, share_b = await connected_pair(replica, redis.url)
     default_before = b.index.added
     await a.observe_async(ESSAY, 900, 12, model="other-model")
     await a.observe_async(ESSAY, 7, 12, model=None)
@@ -214,9 +219,7 @@ async def test_losing_redis_mid_run_is_logged_once_and_restored(
     caplog.set_level(logging.INFO, logger="sagesched.predictor.shared")
     redis = start_redis()
     fast = {"backoff_s": (0.05, 0.2), "block_ms": 200, "timeout_s": 0.3}
-    a, share_a = await replica(redis.url, "a", **fast)
-    _, share_b = await replica(redis.url, "b", **fast)
-    assert await share_a.wait_connected(5) and await share_b.wait_connected(5)
+    a, share_a, _, share_b = await connected_pair(replica, redis.url, **fast)
     if fault == "kill":
         redis.kill()
     else:
