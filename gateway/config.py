@@ -247,6 +247,10 @@ class GatewayConfig:
     """Accepted client bearer tokens; empty = no client auth."""
     admin_key: str | None = None
     """Bearer token for /admin routes; None = admin routes disabled."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: seconds the requests in flight get to finish before the rest are ended
+    (a stream with an SSE error event); the process exits within about this + 5 s
+    (`gateway.drain`). Kubernetes' terminationGracePeriodSeconds must cover it."""
     health_interval_s: float = 2.0
     """Seconds between backend health checks."""
     connect_timeout_s: float = 5.0
@@ -300,6 +304,7 @@ _ENV_KEYS = {
     "LOG_LEVEL": "log_level",
     "REDIS_URL": "shared_learning.redis_url",
     "REPLICA_ID": "shared_learning.replica_id",
+    "SHUTDOWN_GRACE_S": "shutdown_grace_s",
 }
 
 
@@ -385,6 +390,8 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError(f"shared_learning.redis_url must start with one of {schemes}")
     if shared.maxlen < 1 or shared.buffer < 1 or shared.encoding not in ("int8", "float32"):
         raise ConfigError("shared_learning needs maxlen, buffer >= 1 and encoding int8 or float32")
+    if config.shutdown_grace_s < 0:
+        raise ConfigError("shutdown_grace_s must be >= 0")
     from policies import parse_policy
 
     try:
