@@ -250,10 +250,7 @@ async def _sighup(app: web.Application) -> AsyncIterator[None]:
         if updated is None:
             return
         state.config = updated  # the handlers read the keys from here, per request
-        classes = state.dispatcher.classes  # the class objects stay; only the key map changes
-        classes._by_key = {
-            k: classes.by_name[c.name] for c in updated.classes.list for k in c.api_keys
-        }
+        state.dispatcher.classes.rekey(updated.classes)
 
     loop.add_signal_handler(signal.SIGHUP, reload)
     try:
