@@ -4,10 +4,12 @@ Without it a client that reads a stream slowly blocks its relay in aiohttp's dra
 long as it likes: upstream reads stop, the backend slot stays held, and nothing ends it. Here
 each stream's write buffer (the transport's, in user space) is limited to
 `stream_buffer_bytes` (its high-water mark; writing resumes at a quarter of it), and a write
-that waits for the client longer than `slow_client_timeout_s` aborts the connection (the
-buffered bytes are dropped, not flushed) and raises `ClientTooSlow`. The relay lets it
-propagate: the upstream response is closed (the backend aborts the request), the slot's exit
-frees the backend slot, and the request ends as `Outcome.CLIENT_TOO_SLOW`.
+that waits for the client longer than `slow_client_timeout_s` raises `ClientTooSlow`. The
+relay lets it propagate: the upstream response is closed (the backend aborts the request),
+the slot's exit frees the backend slot, the request's outcome is set to
+`Outcome.CLIENT_TOO_SLOW`, and only then is the client connection cut (`cut`: aborted, the
+buffered bytes dropped), so that the handler's cancellation on a lost connection cannot
+turn the outcome into `cancelled_running` on the way.
 
 The bound is per wait, not per stream: a client that reads slowly but steadily is served at
 its own pace (its buffer never grows past the limit); only one that stops reading is cut.
@@ -76,14 +78,18 @@ class BoundedStream(web.StreamResponse):
     async def write_eof(self, data: bytes = b"") -> None:
         await self._bounded(super().write_eof(data))
 
+    def cut(self) -> None:
+        """Close the client connection now, dropping what is buffered (a plain close would
+        wait for the client to read it)."""
+        transport = None if self._protocol is None else self._protocol.transport
+        if transport is not None:
+            transport.abort()
+
     async def _bounded(self, step: Awaitable[None]) -> None:
         try:
             async with asyncio.timeout(self._timeout_s):
                 await step
         except TimeoutError:
-            transport = None if self._protocol is None else self._protocol.transport
-            if transport is not None:
-                transport.abort()
             raise ClientTooSlow(f"the client read nothing for {self._timeout_s:g} s") from None
 
 

@@ -112,9 +112,10 @@ class Relay:
         except ClientGone:
             trace.outcome, trace.status = Outcome.CANCELLED_RUNNING, 499
             return state.response or web.Response(status=499)
-        except ClientTooSlow:  # the connection is already cut (`gateway.backpressure`)
+        except ClientTooSlow:  # upstream closed and slot freed by now; then cut the client
             trace.outcome, trace.status = Outcome.CLIENT_TOO_SLOW, 200
-            assert state.response is not None
+            assert isinstance(state.response, BoundedStream)
+            state.response.cut()
             return state.response
         finally:
             trace.output_tokens = max(trace.output_tokens, state.tokens)
@@ -385,5 +386,8 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
     try:
         await response.write(data)
         await response.write_eof()
-    except (ConnectionResetError, ClientTooSlow):
+    except ConnectionResetError:
         pass
+    except ClientTooSlow:
+        if isinstance(response, BoundedStream):
+            response.cut()

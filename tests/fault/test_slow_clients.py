@@ -71,6 +71,17 @@ async def stream_ttlt(session: aiohttp.ClientSession, url: str, tokens: int) -> 
     return time.monotonic() - start
 
 
+async def read_to_end(sock: socket.socket) -> bytes | None:
+    """Everything left until the gateway's close (None: reset); fails if it stays open."""
+    loop, out = asyncio.get_running_loop(), b""
+    try:
+        while data := await asyncio.wait_for(loop.sock_recv(sock, 65536), 5):
+            out += data
+    except ConnectionResetError:
+        return None
+    return out
+
+
 def buffered(gw: RunningGateway) -> int:
     """Largest write buffer among the gateway's client connections now."""
     sizes = [
@@ -110,7 +121,7 @@ async def test_slow_reader_is_cut_and_its_slot_freed(
     peak = [0]
     watcher = asyncio.create_task(watch_buffers(gw, peak))
     try:
-        async with slow_reader(gw.url, chat(1900)), aiohttp.ClientSession() as s:
+        async with slow_reader(gw.url, chat(1900)) as sock, aiohttp.ClientSession() as s:
             await until(lambda: backend.inflight == 1, 10)
             started = time.monotonic()
             queued = asyncio.create_task(stream_ttlt(s, gw.url, 20))
@@ -119,6 +130,7 @@ async def test_slow_reader_is_cut_and_its_slot_freed(
             freed_after = time.monotonic() - started
             samples = await scrape(gw.url + "/metrics")
             emu_samples = await scrape(emu + "/metrics")
+            received = await read_to_end(sock)  # what the cut left in the kernel buffers
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -130,6 +142,7 @@ async def test_slow_reader_is_cut_and_its_slot_freed(
     assert 1.0 <= freed_after < 8.0, freed_after
     assert LIMIT // 2 < peak[0] <= LIMIT + WRITE_MAX, peak[0]
     assert total(emu_samples, "vllm:num_requests_running") == 0  # the upstream was aborted
+    assert received is None or b"[DONE]" not in received  # cut (reset), not finished
     assert backend.inflight == 0
 
 
