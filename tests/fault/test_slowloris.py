@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -19,7 +20,9 @@ from fixtures.emulator_fixtures import StartEmulator
 from fixtures.scrape import scrape, total
 
 from gateway.app import create_app
+from gateway.authority import Authority
 from gateway.config import build
+from gateway.remote import AuthorityLink, create_worker_app
 from gateway.security import GuardedRunner, guarded_runner
 from predictor import Embedder, LengthPredictor
 
@@ -168,3 +171,50 @@ async def test_slow_body_gets_408_and_is_counted(gateway: Gateway) -> None:
     samples = await scrape(gw.url + "/metrics")
     assert total(samples, "sagesched_requests_total", outcome="rejected", code="408") == 1
     assert gw.runner.guard.cuts["header_timeout"] == 0
+
+
+async def test_workers_cut_slow_heads_and_count_them_in_the_merged_metrics(
+    start_emulator: StartEmulator, embedder: Embedder, tmp_path: Path
+) -> None:
+    """`serve --workers 2` in process, each worker on `guarded_runner` (as `workers._worker`
+    builds it): slow heads to both workers are cut in time, a normal request is served, and
+    the authority's merged `/metrics` counts every cut once."""
+    emu = await start_emulator(time_scale=0.05)
+    cfg = build({
+        "backends": [{"url": emu, "max_inflight": 8}], "port": 1, "policy": "fcfs",
+        "adaptive_cap": {"enabled": False}, "health_interval_s": 0.5, "workers": 2,
+        "header_timeout_s": HEADER_S,
+    })  # fmt: skip
+    path = str(tmp_path / "authority.sock")
+    authority = Authority(cfg)
+    await authority.start(path)
+    predictor = LengthPredictor(embedder=embedder)
+    links: list[AuthorityLink] = []
+    workers: list[Gateway] = []
+    try:
+        for i in range(2):
+            link = await AuthorityLink.connect(path, i, cfg)
+            links.append(link)
+            app = create_worker_app(cfg, link, predictor=predictor)
+            runner = guarded_runner(app, cfg, handler_cancellation=True, access_log=None)
+            await runner.setup()
+            await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
+            port = int(runner.addresses[0][1])
+            workers.append(Gateway(f"http://127.0.0.1:{port}", "127.0.0.1", port, runner))
+            link.ready()
+        assert await authority.wait_workers(2, 10)
+        lorises = [asyncio.create_task(trickle(w, HEAD, 0.1)) for w in workers for _ in range(5)]
+        async with aiohttp.ClientSession() as s:
+            served = await chat(s, workers[1])
+        cut_after = await asyncio.gather(*lorises)
+        samples = await scrape(workers[0].url + "/metrics")  # every process's, merged
+    finally:
+        for w in workers:
+            await w.runner.cleanup()
+        for link in links:
+            await link.close()
+        await authority.stop()
+    assert served < HEADER_S
+    assert all(HEADER_S - 0.05 <= t <= HEADER_S + SLACK_S for t in cut_after), cut_after
+    assert [w.runner.guard.cuts["header_timeout"] for w in workers] == [5, 5]
+    assert total(samples, "sagesched_connections_cut_total", reason="header_timeout") == 10
