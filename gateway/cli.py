@@ -12,8 +12,6 @@ import asyncio
 import logging
 from typing import Any
 
-from aiohttp import web
-
 from gateway.config import ConfigError, GatewayConfig, load
 from gateway.drain import KeySource
 
@@ -107,40 +105,34 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve(config: GatewayConfig, source: KeySource | None = None) -> int:
-    """Run until SIGINT/SIGTERM (aiohttp's `run_app`), then drain: the listener closes, the
-    requests in flight get `shutdown_grace_s`, the rest are ended cleanly, the predictor
-    snapshot is saved, exit 0 (`gateway.drain`). SIGHUP re-reads the keys from `source`. On
-    uvloop when it is installed. With `workers` > 1: worker processes and one scheduling
-    authority (`gateway.workers`). Returns the exit status."""
-    from gateway.app import ADMIN, KEY_SOURCE, create_app
-    from gateway.drain import CUT_S
-    from gateway.security import admin_socket, server_limits
+    """Run until SIGINT/SIGTERM, then drain: the listener closes, the requests in flight get
+    `shutdown_grace_s`, the rest are ended cleanly, the predictor snapshot is saved, exit 0
+    (`gateway.drain`, `gateway.server`). SIGHUP re-reads the keys from `source`. On uvloop
+    when it is installed. With `workers` > 1: worker processes and one scheduling authority
+    (`gateway.workers`). Returns the exit status."""
+    from gateway import workers
 
     if config.workers > 1:
-        from gateway import workers
-
         return workers.serve(config, source)
+    with workers.event_loop() as runner:
+        runner.run(_serve_one(config, source))
+    return 0
 
-    try:
-        import uvloop
 
-        loop: asyncio.AbstractEventLoop | None = uvloop.new_event_loop()
-    except ImportError:
-        loop = None
+async def _serve_one(config: GatewayConfig, source: KeySource | None) -> None:
+    from gateway.app import KEY_SOURCE, create_app
+    from gateway.server import serve_until, stop_on_signals
+
     log = logging.getLogger("sagesched.gateway")
+    stop = asyncio.Event()
+    stop_on_signals(stop)
     app = create_app(config)
     if source is not None:
         app[KEY_SOURCE] = source
-    admin = admin_socket(config, app[ADMIN])
-    if admin is not None:
-        log.info("admin routes on http://%s only", config.admin_listen)
-    web.run_app(
-        app, host=config.host, port=config.port, sock=admin, backlog=1024,
-        handler_cancellation=True, access_log=None, loop=loop, shutdown_timeout=CUT_S,
-        **server_limits(config),
-        print=lambda _: log.info("listening on http://%s:%d", config.host, config.port),
+    await serve_until(
+        app, config, stop,
+        ready=lambda: log.info("listening on http://%s:%d", config.host, config.port),
     )  # fmt: skip
-    return 0
 
 
 def main(argv: list[str], prog: str = "sagesched serve") -> int:

@@ -68,12 +68,12 @@ class _Slot:
 def serve(config: GatewayConfig, source: KeySource | None = None) -> int:
     """Run the authority and `config.workers` workers until SIGTERM/SIGINT; the exit status.
     `source`: where the workers re-read their keys on SIGHUP (None: SIGHUP is ignored)."""
-    runner = _runner()
-    with runner:
+    with event_loop() as runner:
         return runner.run(_parent(config, source))
 
 
-def _runner() -> asyncio.Runner:
+def event_loop() -> asyncio.Runner:
+    """The loop a served process runs on: uvloop when it is installed."""
     try:
         import uvloop
     except ImportError:
@@ -223,8 +223,7 @@ def worker_main(
         level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s[w{index}]: %(message)s",
     )
-    runner = _runner()
-    with runner:
+    with event_loop() as runner:
         runner.run(_worker(worker_config(config, index), path, index, source))
 
 
@@ -251,33 +250,18 @@ def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
 
 
 async def _worker(config: GatewayConfig, path: str, index: int, source: KeySource | None) -> None:
-    from aiohttp import web
-
-    from gateway.app import ADMIN, KEY_SOURCE
+    from gateway.app import KEY_SOURCE
     from gateway.remote import AuthorityLink, create_worker_app
-    from gateway.security import admin_socket, server_limits
+    from gateway.server import serve_until, stop_on_signals
 
     link = await AuthorityLink.connect(path, index, config)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop)
     link.on_lost(stop.set)  # no authority, no scheduling: stop (the parent is gone)
     app = create_worker_app(config, link)
     if source is not None:
         app[KEY_SOURCE] = source
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=CUT_S, **server_limits(config))  # fmt: skip
-    await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_port=True)
-        await site.start()
-        admin = admin_socket(config, app[ADMIN], reuse_port=True)
-        if admin is not None:
-            await web.SockSite(runner, admin).start()
-        link.ready()
-        await stop.wait()
-        log.info("worker %d draining", index)
+        await serve_until(app, config, stop, reuse_port=True, ready=link.ready)
     finally:
-        await runner.cleanup()  # stops accepting, drains (`gateway.drain`), then cleanup
         await link.close()

@@ -209,3 +209,30 @@ async def test_sighup_reloads_keys_without_dropping_a_stream(
     assert proc.poll() is None
     text = log.read_text()
     assert not any(k in text for k in (old, kept, new)), "a key is in the log"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_served_process_cuts_an_unfinished_request_head(
+    children: Children, tmp_path: Path, backend: str, workers: int
+) -> None:
+    """`serve` itself (one process and each worker) runs the guarded runner: a request head
+    left unfinished is cut after `header_timeout_s` and counted, a normal request passes."""
+    url, _, _ = start(children, tmp_path, backend, workers, "header_timeout_s: 1\n")
+    host, port = url.removeprefix("http://").split(":")
+    start_s = time.monotonic()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n")  # never finished
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), timeout=10) == b""  # closed, nothing sent
+    waited = time.monotonic() - start_s
+    writer.close()
+    assert 0.9 <= waited <= 4.0, waited
+    async with fresh() as s:
+        async with s.post(url + "/v1/chat/completions", json=chat("hi", 3)) as r:
+            assert r.status == 200
+            assert tokens(await r.read()) == 3
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    series = 'sagesched_connections_cut_total{reason="header_timeout"}'
+    cut = [line for line in text.splitlines() if line.startswith(series)]
+    assert cut and float(cut[0].split()[-1]) >= 1, cut
