@@ -330,12 +330,10 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
 
 async def _cut(request: web.Request, trace: RequestTrace) -> web.StreamResponse:
     """End a request the shutdown grace ran out on: a started stream gets an SSE error event
-    and `[DONE]`, a request not answered yet a 503 (both counted cancelled, code 503)."""
+    and `[DONE]`, a request not answered yet a 503 (both counted `shutdown`, code 503)."""
     error = ShuttingDown("the gateway is shutting down; retry the request")
     if trace.outcome is None:
-        running = trace.dispatched is not None
-        trace.outcome = Outcome.CANCELLED_RUNNING if running else Outcome.CANCELLED_WAITING
-        trace.status = 503
+        trace.outcome, trace.status = error.outcome, error.status
     response: web.StreamResponse | None = request.get(RESPONSE)
     if response is None or not response.prepared:
         raise error

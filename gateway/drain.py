@@ -6,8 +6,8 @@ SIGTERM (aiohttp's `run_app`, or a worker's own runner): the listening sockets c
 still running at the end of the grace is *cut*: its handler task is cancelled with a marker,
 and `_counted` (gateway.app) ends it cleanly, a started stream with an SSE error event
 `shutting_down` then `[DONE]`, a request not yet answered with a 503 JSON error. Either way
-it is counted once, `cancelled_running` or `cancelled_waiting` with code 503 (an operator's
-stop, not an upstream fault: the error-rate rules skip it). Only then does aiohttp's own
+it is counted once, outcome `shutdown` with code 503 (an operator's stop, not an upstream
+fault: the error-rate rules skip it). Only then does aiohttp's own
 shutdown run, with nothing left to wait for, and the app's cleanup saves the predictor
 snapshot (after the last completions were learned).
 
@@ -50,7 +50,7 @@ RELOADED = ("api_keys", "admin_key")
 class ShuttingDown(GatewayError):
     """The gateway stopped before the request finished (its shutdown grace ran out)."""
 
-    status, type, code, outcome = 503, "server_error", "shutting_down", Outcome.CANCELLED_WAITING
+    status, type, code, outcome = 503, "server_error", "shutting_down", Outcome.SHUTDOWN
 
 
 @dataclass

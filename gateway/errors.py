@@ -33,6 +33,9 @@ class Outcome(enum.StrEnum):
     """The client went away while the answer was being generated."""
     CLIENT_TOO_SLOW = "client_too_slow"
     """The client read the stream too slowly: the gateway cut it (`slow_client_timeout_s`)."""
+    SHUTDOWN = "shutdown"
+    """Cut by the gateway's own shutdown: still unfinished when `shutdown_grace_s` ran out
+    (503; a started stream ends with a `shutting_down` SSE error event)."""
     UPSTREAM_ERROR = "upstream_error"
     """The backend answered with an error, or failed before the first byte on every try."""
     UPSTREAM_BROKEN = "upstream_broken"

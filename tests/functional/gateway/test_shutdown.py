@@ -4,7 +4,7 @@
 - SIGTERM drains: new connections are refused at once, a stream in flight finishes, the
   completion it made is in the predictor snapshot saved at exit, exit status 0;
 - a stream longer than `--shutdown-grace` is ended within the grace + slack with an SSE
-  `shutting_down` error event and `[DONE]`, counted once (`cancelled_running`, code 503 in the
+  `shutting_down` error event and `[DONE]`, counted once (`shutdown`, code 503 in the
   capture);
 - SIGHUP reloads the keys from the config file: a stream in flight completes, an added key
   is accepted, a removed key is 401, an invalid file keeps the keys and logs no key.
@@ -165,7 +165,7 @@ async def test_a_stream_longer_than_the_grace_ends_with_a_shutdown_event(
     assert await asyncio.to_thread(proc.wait, 30) == 0
     records = [json.loads(line) for f in sorted(capture.rglob("*.jsonl"))
                for line in f.read_text().splitlines()]  # fmt: skip
-    assert [(r["outcome"], r["status"]) for r in records] == [("cancelled_running", 503)]
+    assert [(r["outcome"], r["status"]) for r in records] == [("shutdown", 503)]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
