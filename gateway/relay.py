@@ -303,7 +303,8 @@ class Relay:
             )
         else:
             message = f"the backend closed the connection before {what} was complete"
-        log.warning("backend %s broke off %s: %s (%r)", backend, what, message, exc)
+        # the text, not the exception: a record kept by a handler must not keep its frames
+        log.warning("backend %s broke off %s: %s (%s)", backend, what, message, repr(exc))
         return UpstreamBroken(message)
 
     def _count_token(self, slot: Slot, state: StreamState) -> None:
