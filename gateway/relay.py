@@ -15,6 +15,7 @@ monotonic clock.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ from gateway.errors import GatewayError, Outcome, UpstreamBroken, UpstreamReject
 from gateway.openai_api import PATHS, upstream_body
 from gateway.slot import Attempt, Grant, Slot
 from policies import Job
+
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _USAGE_MARK = b'"choices":[]'
@@ -177,11 +180,18 @@ class Relay:
         try:
             data = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamBroken(f"backend failed while answering: {exc!r}") from None
+            raise self._broken(trace.backend, exc, "its answer") from None
         trace.first_token = trace.finished = time.monotonic()
         try:
-            _take_usage(json.loads(data).get("usage"), state, trace)
-        except (ValueError, AttributeError, TypeError):
+            answer = json.loads(data)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):  # never a 200 that is not what it says
+            log.warning("backend %s: a 200 answer that is not a JSON object", trace.backend)
+            raise UpstreamBroken("the backend's answer was not a JSON object")
+        try:
+            _take_usage(answer.get("usage"), state, trace)
+        except (ValueError, TypeError):
             state.tokens = 0
         trace.output_tokens = state.tokens
         state.response = web.Response(body=data, status=200, content_type="application/json")
@@ -208,14 +218,14 @@ class Relay:
                     if done or window.requested:
                         break
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-                raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
+                raise self._broken(slot.job.ctx.trace.backend, exc, "the stream") from None
         if done:
             await self._finish_stream(request, slot.job, state)
             return Attempt.COMPLETED
         if window.preempted:
             resp.close()
             return Attempt.PREEMPTED
-        raise UpstreamBroken("backend closed the stream before [DONE]")
+        raise self._broken(slot.job.ctx.trace.backend, None, "the stream")
 
     def _events(self, slot: Slot, events: list[bytes], state: StreamState) -> tuple[bytes, bool]:
         """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came."""
@@ -267,7 +277,7 @@ class Relay:
                     self._response_event(slot, event, state)
                 await _write(response, data)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
+            raise self._broken(slot.job.ctx.trace.backend, exc, "the stream") from None
         trace = slot.job.ctx.trace
         trace.finished = time.monotonic()
         trace.output_tokens = state.tokens
@@ -287,6 +297,21 @@ class Relay:
                         _take_usage(final.get("usage"), state, slot.job.ctx.trace)
                     except (ValueError, AttributeError, TypeError):
                         pass
+
+    def _broken(self, backend: str, exc: BaseException | None, what: str) -> UpstreamBroken:
+        """The client's error in the gateway's own words (`what`: "the stream" or "its
+        answer"); the HTTP library's exception text, which names its internals and not the
+        fault, goes to the log only."""
+        if isinstance(exc, TimeoutError):
+            message = (
+                f"the backend sent nothing for {self._config.read_timeout_s:g} s"
+                f" (read_timeout_s) and {what} was cut"
+            )
+        else:
+            message = f"the backend closed the connection before {what} was complete"
+        # the text, not the exception: a record kept by a handler must not keep its frames
+        log.warning("backend %s broke off %s: %s (%s)", backend, what, message, repr(exc))
+        return UpstreamBroken(message)
 
     def _count_token(self, slot: Slot, state: StreamState) -> None:
         now = time.monotonic()
