@@ -469,5 +469,5 @@ async def _passthrough(
     trace.model = model or UNKNOWN_MODEL
     relay = state.relay
     return await fwd.forward(
-        request, raw, backends, relay.session, relay.timeout, state.config.max_retries, trace
+        request, raw, backends, relay.session, relay.timeout, state.config, trace
     )

@@ -15,11 +15,14 @@ errors in OpenAI's JSON form (`UpstreamRejected`). The handler records one `Outc
 from __future__ import annotations
 
 import json
+import logging
 
 import aiohttp
 from aiohttp import web
 
 from gateway.backends import Backend, BackendPool
+from gateway.backpressure import BoundedStream, ClientTooSlow
+from gateway.config import GatewayConfig
 from gateway.errors import (
     MethodNotAllowed,
     ModelNotFound,
@@ -49,6 +52,8 @@ FORWARDED_HEADERS = ("Content-Type", "Accept")
 HOP_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 )
+
+log = logging.getLogger("sagesched.gateway.passthrough")
 
 
 def reserved(path: str) -> bool:
@@ -86,11 +91,14 @@ async def forward(
     backends: list[Backend],
     session: aiohttp.ClientSession,
     timeout: aiohttp.ClientTimeout,
-    max_retries: int,
+    config: GatewayConfig,
     trace: RequestTrace,
 ) -> web.StreamResponse:
     """Send the request to the first backend that answers (at most `max_retries` more after
-    one fails before any byte) and relay its answer. Sets the trace's outcome."""
+    one fails before any byte) and relay its answer. Sets the trace's outcome. What failed is
+    logged; the client's error says only how many backends were tried (as the queued
+    routes' do)."""
+    max_retries = config.max_retries
     headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
     failures = []
     for backend in backends[: max_retries + 1]:
@@ -105,34 +113,46 @@ async def forward(
                 timeout=timeout,
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-            failures.append(f"{backend.name}: {exc!r}")
+            log.warning("passthrough to %s failed before answering: %s", backend.name, repr(exc))
+            failures.append(backend.name)
             continue
         async with resp:
             if resp.status >= 500 and len(failures) < max_retries:
-                failures.append(f"{backend.name} answered {resp.status}")
+                log.warning("passthrough to %s answered %d", backend.name, resp.status)
+                failures.append(backend.name)
                 continue
             if resp.status >= 400:
                 raise UpstreamRejected(resp.status, await resp.read())
             trace.dispatched = trace.dispatched or trace.arrived
-            return await relay_bytes(request, resp, trace)
-    raise UpstreamFailed(f"no backend could serve the request ({'; '.join(failures)})")
+            return await relay_bytes(request, resp, trace, config)
+    raise UpstreamFailed(f"no backend could serve the request (tried {len(failures)})")
 
 
 async def relay_bytes(
-    request: web.Request, resp: aiohttp.ClientResponse, trace: RequestTrace
+    request: web.Request, resp: aiohttp.ClientResponse, trace: RequestTrace, config: GatewayConfig
 ) -> web.StreamResponse:
     """The backend's answer as it came: read whole, or copied chunk by chunk when it streams
-    (server-sent events). Sets the outcome: completed, or, once bytes went out, broken (the
-    backend failed; the stream is cut) or cancelled (the client left)."""
+    (server-sent events, through a `BoundedStream`, as the queued routes). Sets the outcome:
+    completed, or, once bytes went out, broken (the backend failed; the stream is cut),
+    cancelled (the client left) or too slow (the client stopped reading: upstream closed,
+    then the client cut)."""
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
     if "text/event-stream" not in resp.headers.get("Content-Type", ""):
         try:
             body = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamBroken(f"backend failed while answering: {exc!r}") from None
+            log.warning("passthrough answer broken off: %s", repr(exc))
+            raise UpstreamBroken(
+                "the backend closed the connection before its answer was complete"
+            ) from None
         trace.outcome = Outcome.COMPLETED
         return web.Response(body=body, status=resp.status, headers=headers)
-    out = web.StreamResponse(status=resp.status, headers=headers)
+    out = BoundedStream(
+        limit=config.stream_buffer_bytes,
+        timeout_s=config.slow_client_timeout_s,
+        status=resp.status,
+        headers=headers,
+    )
     try:
         await out.prepare(request)
         async for data in resp.content.iter_any():
@@ -141,6 +161,10 @@ async def relay_bytes(
         trace.outcome = Outcome.COMPLETED
     except ConnectionResetError:
         trace.outcome, trace.status = Outcome.CANCELLED_RUNNING, 499
+    except ClientTooSlow:
+        trace.outcome = Outcome.CLIENT_TOO_SLOW
+        resp.close()  # the backend aborts the request
+        out.cut()
     except (aiohttp.ClientError, TimeoutError):
         trace.outcome = Outcome.UPSTREAM_BROKEN
     return out

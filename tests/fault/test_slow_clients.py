@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
 from fixtures.scrape import scrape, total
@@ -40,8 +41,9 @@ def chat(max_tokens: int) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def slow_reader(url: str, body: dict[str, Any], *, rcvbuf: int = 4096
-                      ) -> AsyncIterator[socket.socket]:  # fmt: skip
+async def slow_reader(
+    url: str, body: dict[str, Any], *, rcvbuf: int = 4096, path: str = "/v1/chat/completions"
+) -> AsyncIterator[socket.socket]:
     """A streaming request on a raw socket with a tiny receive buffer; the caller reads."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -52,7 +54,7 @@ async def slow_reader(url: str, body: dict[str, Any], *, rcvbuf: int = 4096
         await loop.sock_connect(sock, (host, int(port)))
         raw = json.dumps(body).encode()
         head = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
         )
         await loop.sock_sendall(sock, head.encode() + raw)
@@ -184,3 +186,54 @@ async def test_slow_reader_does_not_stall_other_streams(
     assert statistics.median(beside) <= 1.5 * statistics.median(alone) + 0.3, (alone, beside)
     assert peak[0] <= LIMIT + WRITE_MAX, peak[0]
     assert total(samples, "sagesched_requests_total", outcome="client_too_slow") == 0
+
+
+async def test_passthrough_stream_slow_reader_is_cut_and_upstream_closed(
+    start_gateway: StartGateway,
+) -> None:
+    """A passthrough route (not queued) streams through the same bounded buffer: a reader
+    that reads nothing is cut after `slow_client_timeout_s`, counted `client_too_slow`, and
+    the gateway closes its upstream request (the backend sees the disconnect)."""
+    upstream_gone = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path in ("/health", "/metrics"):
+            return web.json_response({})
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for _ in range(4000):  # ~4 MB over ~20 s unless cut
+                await resp.write(b"data: " + b"x" * 1000 + b"\n\n")
+                await asyncio.sleep(0.005)
+        except (ConnectionResetError, asyncio.CancelledError):
+            upstream_gone.set()
+            raise
+        return resp
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        gw = await start_gateway(
+            [{"url": f"http://127.0.0.1:{port}", "max_inflight": 4}], policy="fcfs",
+            stream_buffer_bytes=LIMIT, slow_client_timeout_s=1.0,
+        )  # fmt: skip
+        started = time.monotonic()
+        async with slow_reader(gw.url, {"model": "tiny-llama"}, path="/v1/stream") as sock:
+            await asyncio.wait_for(upstream_gone.wait(), 10)
+            cut_after = time.monotonic() - started
+            received = await read_to_end(sock)
+        samples = await scrape(gw.url + "/metrics")
+    finally:
+        await runner.cleanup()
+    print(f"passthrough slow reader cut after {cut_after:.2f} s")
+    assert 1.0 <= cut_after <= 5.0, cut_after
+    assert received is None or len(received) < 1_000_000  # cut, not the whole ~4 MB
+    assert total(samples, "sagesched_requests_total", outcome="client_too_slow") == 1
+    assert total(samples, "sagesched_requests_total") == 1
