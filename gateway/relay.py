@@ -240,7 +240,7 @@ class Relay:
         if state.segments and not is_token and _ROLE_MARK in payload:
             return False
         if is_token:
-            if self._config.preemption and ticket.call.continuable:
+            if self._dispatcher.may_preempt and ticket.call.continuable:
                 state.text += _chunk_text(payload)
             self._count_token(slot, state)
         return True
