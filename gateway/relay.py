@@ -7,9 +7,10 @@ middleware does), except as the SSE error event of a stream that already started
 
 Streaming answers are relayed event by event with as little work per event as possible: no
 JSON parsing of token chunks unless preemption needs the text, a byte check to recognise the
-usage chunk (always requested upstream; dropped again if the client did not ask for it), and
-one write per event. TTFT, inter-token gaps and TTLT are measured here, on the gateway's
-monotonic clock.
+usage chunk (always requested upstream; dropped again if the client did not ask for it), one
+write and one token report to the slot per upstream read (the response's headers leave with
+its first events, the events read with `[DONE]` with the end of the body). TTFT, inter-token
+gaps and TTLT are measured here, on the gateway's monotonic clock.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ class StreamState:
     """What has reached the client so far, across preemption segments."""
 
     response: web.StreamResponse | None = None
+    keep_text: bool = False
+    """Keep the generated text: the request may be preempted and resumed as a continuation
+    (`Dispatcher.may_preempt` and a continuable call), decided once per request."""
     text: str = ""
-    """Generated text so far (kept only when the request may be preempted)."""
+    """Generated text so far (kept only with `keep_text`)."""
     tokens: int = 0
     """Token chunks relayed so far (all segments)."""
     tokens_before: int = 0
@@ -95,7 +99,7 @@ class Relay:
         errors raised before anything was sent, which propagate (the error middleware renders
         them)."""
         trace = job.ctx.trace
-        state = StreamState()
+        state = StreamState(keep_text=self._dispatcher.may_preempt and job.ctx.call.continuable)
         try:
             async with self._dispatcher.slot(job) as slot:
                 await self._run(request, slot, state)
@@ -187,24 +191,28 @@ class Relay:
         a preemption stops it wherever it waits (also on a backend that sends nothing), and
         the upstream request is closed here, which aborts it in vLLM."""
         done = False
-        pending = b""
+        pending = last = b""
         with slot.preemptible() as window:
             try:
                 # Whatever bytes are available at once are handled together and relayed in one
                 # write: under load several events arrive per read, and writes are the cost.
+                # The events read with `[DONE]` go out with the end of the body, in one write.
                 async for data in resp.content.iter_any():
                     pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                     *events, pending = pending.split(b"\n\n")
                     out, done = self._events(slot, events, state)
+                    if done:
+                        last = out
+                        break
                     if out:
                         response = state.response or await self._open(request, state)
                         await _write(response, out)
-                    if done or window.requested:
+                    if window.requested:
                         break
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
                 raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
         if done:
-            await self._finish_stream(request, slot.job, state)
+            await self._finish_stream(request, slot.job, state, last)
             return Attempt.COMPLETED
         if window.preempted:
             resp.close()
@@ -212,23 +220,29 @@ class Relay:
         raise UpstreamBroken("backend closed the stream before [DONE]")
 
     def _events(self, slot: Slot, events: list[bytes], state: StreamState) -> tuple[bytes, bool]:
-        """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came."""
+        """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came.
+        The slot hears of their tokens once, after the read."""
         out: list[bytes] = []
+        before = state.tokens
+        done = False
         for event in events:
             for line in event.split(b"\n"):
                 if not line.startswith(b"data:"):
                     continue  # comments and other fields; events are re-framed below
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
-                    return b"".join(out), True
+                    done = True
+                    break
                 if self._event(slot, payload, state):
                     out.append(b"data: " + payload + b"\n\n")
-        return b"".join(out), False
+            if done:
+                break
+        _report(slot, state, before)
+        return b"".join(out), done
 
     def _event(self, slot: Slot, payload: bytes, state: StreamState) -> bool:
         """Count and time one upstream event; True if it is relayed as it is (the usage
         chunk is held back, a continuation's repeated role chunk dropped)."""
-        ticket: Ticket = slot.job.ctx
         if _USAGE_MARK in payload:
             state.usage_raw = payload
             try:
@@ -236,11 +250,11 @@ class Relay:
             except ValueError:
                 state.usage = None
             return False
-        is_token = not any(mark in payload for mark in _EMPTY_CONTENT)
+        is_token = not _is_empty(payload)
         if state.segments and not is_token and _ROLE_MARK in payload:
             return False
         if is_token:
-            if self._dispatcher.may_preempt and ticket.call.continuable:
+            if state.keep_text:
                 state.text += _chunk_text(payload)
             self._count_token(slot, state)
         return True
@@ -257,8 +271,10 @@ class Relay:
             async for data in resp.content.iter_any():
                 pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                 *events, pending = pending.split(b"\n\n")
+                before = state.tokens
                 for event in events:
                     self._response_event(slot, event, state)
+                _report(slot, state, before)
                 await _write(response, data)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise UpstreamBroken(f"backend failed mid-stream: {exc!r}") from None
@@ -283,6 +299,7 @@ class Relay:
                         pass
 
     def _count_token(self, slot: Slot, state: StreamState) -> None:
+        """Time one token event; the slot hears of it in `_report`, once per read."""
         now = time.monotonic()
         trace = slot.job.ctx.trace
         if trace.first_token is None:
@@ -291,10 +308,9 @@ class Relay:
             trace.gaps_s.append(now - state.last_token_at)
         state.last_token_at = now
         state.tokens += 1
-        slot.tokens(1)
 
     async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        response = _SSEResponse(status=200, headers=SSE_HEADERS)
         try:
             await response.prepare(request)
         except ConnectionResetError:
@@ -302,7 +318,11 @@ class Relay:
         state.response = response
         return response
 
-    async def _finish_stream(self, request: web.Request, job: Job, state: StreamState) -> None:
+    async def _finish_stream(
+        self, request: web.Request, job: Job, state: StreamState, events: bytes
+    ) -> None:
+        """The usage chunk (if the client asked for it) and `[DONE]` after `events` (the
+        events that came with the upstream's `[DONE]`), and the end of the body: one write."""
         ticket: Ticket = job.ctx
         trace = ticket.trace
         response = state.response or await self._open(request, state)
@@ -317,12 +337,35 @@ class Relay:
         if ticket.call.wants_usage and usage is not None:
             chunk = state.usage_raw if not state.segments else _usage_chunk(usage, state)
             tail = b"data: " + chunk + b"\n\n" + tail
+        tail = events + tail
         trace.finished = time.monotonic()
         trace.output_tokens = state.tokens
         try:
             await response.write_eof(tail)  # the last events and the end of the body, one write
         except ConnectionResetError:
             raise ClientGone() from None
+
+
+class _SSEResponse(web.StreamResponse):
+    """A streamed answer whose headers leave with its first events, in one write (aiohttp
+    otherwise sends them alone at `prepare`: one more send, and one more wake-up of the
+    client, per request). `prepare` comes right before the first write, so nothing waits."""
+
+    _send_headers_immediately = False  # aiohttp's own switch (its `Response` sets it too)
+
+
+def _report(slot: Slot, state: StreamState, before: int) -> None:
+    """Tell the slot of the tokens counted since `before`: once per upstream read, not per
+    token (review points and preemption are decided at read boundaries; the events of one
+    read reach the client in one write anyway)."""
+    if state.tokens > before:
+        slot.tokens(state.tokens - before)
+
+
+def _is_empty(payload: bytes) -> bool:
+    """Is this chunk an empty delta (a role or finish chunk, not a token)?"""
+    e = _EMPTY_CONTENT
+    return e[0] in payload or e[1] in payload or e[2] in payload or e[3] in payload
 
 
 def _take_usage(usage: Any, state: StreamState, trace: Any) -> None:

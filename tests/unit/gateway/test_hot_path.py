@@ -7,6 +7,7 @@ contacted, except the one scraped (a real aiohttp server)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,10 @@ import pytest
 
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, build
-from gateway.dispatcher import Dispatcher
+from gateway.dispatcher import Dispatcher, LocalSlot
+from gateway.metrics import RequestTrace
+from gateway.openai_api import parse_call
+from gateway.relay import Relay, StreamState
 from policies import parse_policy
 
 MODEL = "m"
@@ -48,3 +52,57 @@ async def test_only_a_preempting_setup_keeps_continuation_text(
 ) -> None:
     d = dispatcher(config(policy=policy, preemption=preemption), session)
     assert d.may_preempt is expect
+
+
+class CountingSlot:
+    """A real `LocalSlot`, its `tokens` calls counted (the relay's one report per read)."""
+
+    def __init__(self, slot: LocalSlot) -> None:
+        self.inner = slot
+        self.job = slot.job
+        self.reports: list[int] = []
+
+    def tokens(self, n: int) -> None:
+        self.reports.append(n)
+        self.inner.tokens(n)
+
+
+def _chunk(content: str | None, compact: int = 1) -> bytes:
+    delta = {} if content is None else {"content": content}
+    body = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+    return b"data: " + json.dumps(body, separators=(",", ":") if compact else None).encode()
+
+
+async def _running(cfg: GatewayConfig, session: aiohttp.ClientSession) -> tuple[Relay, LocalSlot]:
+    """A chat stream's job, admitted and granted its backend (the relay's state mid-stream)."""
+    d = dispatcher(cfg, session)
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    trace = RequestTrace(model=MODEL, arrived=0.0, policy=cfg.policy)
+    job = d.new_job(parse_call("chat", body, None), trace, None)
+    job.true_output_tokens = 100  # the oracle policies order by it
+    slot = d.slot(job)
+    await slot.__aenter__()
+    await slot.granted()
+    return Relay(session, d, cfg), slot
+
+
+def relay_keeps_text(relay: Relay, slot: LocalSlot) -> bool:
+    """What `Relay.serve` decides for the request's `StreamState`."""
+    return relay._dispatcher.may_preempt and slot.job.ctx.call.continuable
+
+
+async def test_a_read_is_reported_to_the_slot_once(session: aiohttp.ClientSession) -> None:
+    """Five tokens in one read: one `tokens(5)`, five timed tokens; with preemption allowed
+    the continuation text is kept (srpt-oracle), without it not (FCFS)."""
+    for policy, kept in (("srpt-oracle", "abcde"), ("fcfs", "")):
+        relay, local = await _running(config(policy=policy, preemption=True), session)
+        slot = CountingSlot(local)
+        state = StreamState(keep_text=relay_keeps_text(relay, local))
+        events = [_chunk(t, compact) for t, compact in zip("abcde", [1, 0, 1, 0, 1], strict=True)]
+        out, done = relay._events(slot, events, state)  # type: ignore[arg-type]
+        assert not done and out == b"".join(e + b"\n\n" for e in events)
+        assert slot.reports == [5] and local.job.generated == 5 == state.tokens
+        assert len(local.job.ctx.trace.gaps_s) == 4 and state.text == kept
+        out, done = relay._events(slot, [_chunk(None), b"data: [DONE]"], state)  # type: ignore[arg-type]
+        assert done and slot.reports == [5]  # no token in that read: no report
+        await local.__aexit__(None, None, None)
