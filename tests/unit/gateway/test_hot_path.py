@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from hashlib import sha256
 from typing import Any
 
 import aiohttp
@@ -17,7 +18,7 @@ import pytest
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, build
 from gateway.dispatcher import Dispatcher, LocalSlot
-from gateway.metrics import RequestTrace
+from gateway.metrics import GatewayMetrics, RequestTrace, tenant_id
 from gateway.openai_api import parse_call
 from gateway.relay import Relay, StreamState
 from policies import parse_policy
@@ -106,3 +107,18 @@ async def test_a_read_is_reported_to_the_slot_once(session: aiohttp.ClientSessio
         out, done = relay._events(slot, [_chunk(None), b"data: [DONE]"], state)  # type: ignore[arg-type]
         assert done and slot.reports == [5]  # no token in that read: no report
         await local.__aexit__(None, None, None)
+
+
+def test_known_labels_are_the_same_series_as_new_ones() -> None:
+    m = GatewayMetrics()
+    first = m.requests.labels("m", "fcfs", "completed", "200")
+    assert m.requests.labels("m", "fcfs", "completed", "200") is first  # the memoised path
+    assert m.requests.labels("m", "fcfs", "completed", 200) is first  # converted, same child
+    first.inc()
+    m.requests.labels(model="m", policy="fcfs", outcome="completed", code="200").inc()
+    text = m.exposition().decode()
+    line = 'sagesched_requests_total{code="200",model="m",outcome="completed",policy="fcfs"}'
+    assert f"{line} 2.0" in text
+    with pytest.raises(ValueError):  # a wrong labelset still fails as prometheus-client's
+        m.requests.labels("m", "fcfs")
+    assert tenant_id("acme") == tenant_id("acme") == "t-" + sha256(b"acme").hexdigest()[:8]
