@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.backends import BackendPool
+from gateway.backends import BackendPool, read_sample
 from gateway.config import GatewayConfig, build
 from gateway.dispatcher import Dispatcher, LocalSlot
 from gateway.metrics import GatewayMetrics, RequestTrace, tenant_id
@@ -122,3 +122,21 @@ def test_known_labels_are_the_same_series_as_new_ones() -> None:
     with pytest.raises(ValueError):  # a wrong labelset still fails as prometheus-client's
         m.requests.labels("m", "fcfs")
     assert tenant_id("acme") == tenant_id("acme") == "t-" + sha256(b"acme").hexdigest()[:8]
+
+
+def test_scrape_parses_only_the_series_it_reads() -> None:
+    text = (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        + "".join(f'vllm:time_to_first_token_seconds_bucket{{le="{i}"}} {i}\n' for i in range(300))
+        + "vllm:e2e_request_latency_seconds_bucket{le=oops} not-a-number\n"  # never parsed
+        + 'vllm:num_requests_waiting{engine="0"} 2.0\n'
+        + 'vllm:num_requests_waiting{engine="1"} 1.0\n'
+        + "vllm:kv_cache_usage_perc 0.25\n"
+        + "# TYPE vllm:generation_tokens counter\n"
+        + "vllm:generation_tokens_total 40.0\n"
+        + "vllm:generation_tokens_created 1.7e9\n"
+    )
+    s = read_sample(text)
+    assert (s.waiting, s.kv_usage, s.generation_tokens) == (3.0, 0.25, 40.0)
+    with pytest.raises(ValueError):
+        read_sample("vllm:num_requests_waiting two\n")
