@@ -37,6 +37,9 @@ from policies.capacity import CapController, CapLaw, EngineSample, combine_kv
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+NO_METRICS_RETRY_S = 30.0
+"""A backend that answered 404 for `/metrics` (not vLLM) is asked again after this long,
+not every quarter second of a slow start that never ends without samples."""
 
 
 @dataclass(eq=False)
@@ -261,20 +264,23 @@ class BackendPool:
 
     async def _adapt_loop(self, b: Backend) -> None:
         assert b.controller is not None
+        wait_s = b.controller.interval_s
         while True:
-            await asyncio.sleep(b.controller.interval_s)
+            await asyncio.sleep(wait_s)
             if b.healthy:
-                await self._adapt(b)
+                wait_s = await self._adapt(b)
 
-    async def _adapt(self, b: Backend) -> None:
-        """One scrape of `b`'s `/metrics` and one step of its cap controller."""
+    async def _adapt(self, b: Backend) -> float:
+        """One scrape of `b`'s `/metrics` and one step of its cap controller. Returns the
+        seconds until the next scrape."""
         assert b.controller is not None
         try:
             status, text = await self._get(b, "/metrics")
             sample = read_sample(text) if status == 200 else EngineSample()
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            return  # no reading this time: the controller waits for the next one
+            return b.controller.interval_s  # no reading this time: wait for the next one
         self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight, b.finished))
+        return NO_METRICS_RETRY_S if status == 404 else b.controller.interval_s
 
     def set_cap(self, b: Backend, new: int) -> None:
         """Apply a new cap; a larger one wakes the dispatcher."""

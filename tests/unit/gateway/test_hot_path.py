@@ -14,8 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
-from gateway.backends import BackendPool, read_sample
+from gateway.backends import NO_METRICS_RETRY_S, BackendPool, read_sample
 from gateway.config import GatewayConfig, build
 from gateway.dispatcher import Dispatcher, LocalSlot
 from gateway.metrics import GatewayMetrics, RequestTrace, tenant_id
@@ -140,3 +141,30 @@ def test_scrape_parses_only_the_series_it_reads() -> None:
     assert (s.waiting, s.kv_usage, s.generation_tokens) == (3.0, 0.25, 40.0)
     with pytest.raises(ValueError):
         read_sample("vllm:num_requests_waiting two\n")
+
+
+@pytest.mark.parametrize(("status", "rare"), [(404, True), (200, False)])
+async def test_a_backend_without_metrics_is_scraped_rarely(
+    session: aiohttp.ClientSession, status: int, rare: bool
+) -> None:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_waiting 0\n", status=status)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        cfg = build({"backends": [{"url": url, "name": "b", "max_inflight": 8}]})
+        pool = BackendPool(cfg.backends, session, health_interval_s=60.0, adaptive=cfg.adaptive_cap)
+        b = pool.backends[0]
+        b.healthy = True
+        assert b.controller is not None
+        wait_s = await pool._adapt(b)
+        assert wait_s == (NO_METRICS_RETRY_S if rare else b.controller.interval_s)
+    finally:
+        await runner.cleanup()
