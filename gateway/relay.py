@@ -15,6 +15,8 @@ gaps and TTLT are measured here, on the gateway's monotonic clock.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -222,6 +224,10 @@ class Relay:
     def _events(self, slot: Slot, events: list[bytes], state: StreamState) -> tuple[bytes, bool]:
         """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came.
         The slot hears of their tokens once, after the read."""
+        if not state.segments and not state.keep_text:
+            bulk = self._bulk_events(slot, events, state)
+            if bulk is not None:
+                return bulk
         out: list[bytes] = []
         before = state.tokens
         done = False
@@ -239,6 +245,45 @@ class Relay:
                 break
         _report(slot, state, before)
         return b"".join(out), done
+
+    def _bulk_events(
+        self, slot: Slot, events: list[bytes], state: StreamState
+    ) -> tuple[bytes, bool] | None:
+        """`_events` for the common case, in bulk: a first segment whose text is not kept
+        (no preemption possible), every event one `data: ` line, relayed as it came. The
+        empty-delta marks are searched once in the whole read (they are rare: the role and
+        the finish chunk), and token events arriving in one read are timed together (gaps of
+        0 between them). None, with nothing changed, when an event is not of that form (the
+        general path runs)."""
+        keep: list[bytes] = []
+        usage = None
+        done = False
+        for event in events:
+            if not event.startswith(b"data: ") or b"\n" in event:
+                return None
+            if event.startswith(b"data: [DONE]") and event.rstrip() == b"data: [DONE]":
+                done = True
+                break
+            if _USAGE_MARK in event:
+                usage = event
+                continue
+            keep.append(event)
+        blob = b"\n\n".join(keep)
+        tokens = len(keep) - _marked_events(blob, keep)
+        if usage is not None:
+            self._event(slot, usage[6:].strip(), state)  # held back, read for its counts
+        if tokens:
+            now = time.monotonic()
+            trace = slot.job.ctx.trace
+            if trace.first_token is None:
+                trace.first_token = now
+            else:
+                trace.gaps_s.append(now - state.last_token_at)
+            trace.gaps_s.extend([0.0] * (tokens - 1))
+            state.last_token_at = now
+            state.tokens += tokens
+            slot.tokens(tokens)
+        return (blob + b"\n\n" if keep else b""), done
 
     def _event(self, slot: Slot, payload: bytes, state: StreamState) -> bool:
         """Count and time one upstream event; True if it is relayed as it is (the usage
@@ -366,6 +411,20 @@ def _is_empty(payload: bytes) -> bool:
     """Is this chunk an empty delta (a role or finish chunk, not a token)?"""
     e = _EMPTY_CONTENT
     return e[0] in payload or e[1] in payload or e[2] in payload or e[3] in payload
+
+
+def _marked_events(blob: bytes, events: list[bytes]) -> int:
+    """How many of `events` (joined by blank lines into `blob`) contain an empty-delta mark:
+    each mark's occurrences in `blob`, mapped to their event by its end offset."""
+    marked: set[int] = set()
+    ends: list[int] | None = None
+    for mark in _EMPTY_CONTENT:
+        at = blob.find(mark)
+        while at >= 0:
+            ends = ends or list(itertools.accumulate(len(e) + 2 for e in events))
+            marked.add(bisect.bisect_right(ends, at))
+            at = blob.find(mark, at + 1)
+    return len(marked)
 
 
 def _take_usage(usage: Any, state: StreamState, trace: Any) -> None:

@@ -21,7 +21,7 @@ from gateway.config import GatewayConfig, build
 from gateway.dispatcher import Dispatcher, LocalSlot
 from gateway.metrics import GatewayMetrics, RequestTrace, tenant_id
 from gateway.openai_api import parse_call
-from gateway.relay import Relay, StreamState
+from gateway.relay import Relay, StreamState, _marked_events
 from policies import parse_policy
 
 MODEL = "m"
@@ -168,3 +168,40 @@ async def test_a_backend_without_metrics_is_scraped_rarely(
         assert wait_s == (NO_METRICS_RETRY_S if rare else b.controller.interval_s)
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("compact", [1, 0])
+async def test_bulk_events_relay_and_count_like_the_general_path(
+    session: aiohttp.ClientSession, compact: int
+) -> None:
+    """One read: the role chunk (empty content), 5 tokens (one of them the text `{}`), the
+    finish chunk (empty delta), usage, `[DONE]` with trailing whitespace: 7 events relayed as
+    they came, 5 tokens counted, timed and reported once, usage held back and read. The
+    general path (taken when the text is kept) gives the same bytes and counts."""
+    relayed = [_chunk("", compact), *(_chunk(t, compact) for t in ["a", "b", "{}", "c", "d"])]
+    relayed.append(_chunk(None, compact))
+    usage = b'data: {"choices":[],"usage":{"completion_tokens":5,"prompt_tokens":3}}'
+    seen = []
+    for keep_text in (False, True):  # bulk, then the general path
+        relay, local = await _running(config(policy="fcfs"), session)
+        slot = CountingSlot(local)
+        state = StreamState(keep_text=keep_text)
+        out, done = relay._events(slot, [*relayed, usage, b"data: [DONE] "], state)  # type: ignore[arg-type]
+        assert done and out == b"\n\n".join(relayed) + b"\n\n"
+        assert slot.reports == [5] and state.tokens == 5 == local.job.generated
+        trace = local.job.ctx.trace
+        assert trace.first_token is not None and len(trace.gaps_s) == 4
+        assert state.usage == {"completion_tokens": 5, "prompt_tokens": 3}
+        assert state.text == ("ab{}cd" if keep_text else "")
+        seen.append((out, state.tokens, state.usage_raw))
+        # an event the bulk path does not take (a comment line) goes the general way
+        out, done = relay._events(slot, [b": ping\n" + relayed[1]], state)  # type: ignore[arg-type]
+        assert not done and out == relayed[1] + b"\n\n" and state.tokens == 6
+        await local.__aexit__(None, None, None)
+    assert seen[0] == seen[1]
+
+
+def test_marked_events_maps_marks_to_their_event() -> None:
+    events = [_chunk(""), _chunk("x"), _chunk(None), _chunk("y"), _chunk("", 0)]
+    assert _marked_events(b"\n\n".join(events), events) == 3
+    assert _marked_events(b"", []) == 0
