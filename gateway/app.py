@@ -16,6 +16,10 @@ named steps (`_serve`; docs/ARCHITECTURE.md):
 Every other path goes to `passthrough` (`gateway.passthrough`: forwarded first come, first
 served). Every request records exactly one `Outcome` (`_counted`). Handlers raise
 `GatewayError`s; `error_middleware` alone turns them into HTTP responses.
+
+Stopping and reloading (`gateway.drain`): SIGTERM drains the requests in flight for
+`shutdown_grace_s` and ends the rest cleanly (`_drain`, `_cut`); SIGHUP re-reads the keys
+when the app was given its config's source (`KEY_SOURCE`, set by `sagesched serve`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -37,6 +42,7 @@ from gateway.capture import CaptureWriter
 from gateway.classes import CLASS_HEADER
 from gateway.config import GatewayConfig, as_dict
 from gateway.dispatcher import Dispatcher
+from gateway.drain import Drain, KeySource, ShuttingDown, reload_keys
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -45,12 +51,13 @@ from gateway.errors import (
     Outcome,
     PayloadTooLarge,
     Unauthorized,
+    sse_error_event,
 )
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
 from gateway.openai_api import Kind, parse_body, parse_call
 from gateway.prediction import Prediction
 from gateway.prompts import PromptCounter
-from gateway.relay import Relay
+from gateway.relay import SSE_HEADERS, Relay
 from gateway.security import AdminListener, admin_middleware, key_matches, limits_middleware
 from policies import Job, Policy, parse_policy
 
@@ -104,6 +111,12 @@ ADMIN = web.AppKey("sagesched_admin_listener", AdminListener)
 """Where the admin address listens, once bound (`gateway.security.admin_socket`)."""
 JOB = web.RequestKey("sagesched_job", Job)
 """A generating request's job, once it exists (settling reads its ticket)."""
+DRAIN = web.AppKey("sagesched_drain", Drain)
+"""The requests in flight and the SIGTERM drain (`gateway.drain`)."""
+KEY_SOURCE = web.AppKey("sagesched_key_source", KeySource)
+"""Where the config came from: set by `sagesched serve` so that SIGHUP reloads the keys."""
+RESPONSE = web.RequestKey("sagesched_response", web.StreamResponse)
+"""The response once prepared (a request cut at shutdown ends its stream with an event)."""
 
 
 def render(error: GatewayError) -> web.Response:
@@ -139,9 +152,13 @@ def create_app(
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = config
     app[ADMIN] = listener
+    app[DRAIN] = Drain()
     if predictor is not None:
         app[PREDICTOR] = predictor
     app.cleanup_ctx.append(lifecycle)
+    app.cleanup_ctx.append(_sighup)
+    app.on_shutdown.append(_drain)
+    app.on_response_prepare.append(_remember_response)
     app.router.add_post("/v1/chat/completions", _completion("chat"))
     app.router.add_post("/v1/completions", _completion("completions"))
     app.router.add_post("/v1/responses", _completion("responses"))
@@ -209,6 +226,39 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
+async def _drain(app: web.Application) -> None:
+    """SIGTERM, after the listeners closed (aiohttp's `on_shutdown`): the requests in flight
+    get `shutdown_grace_s`, then the rest are cut (`gateway.drain`)."""
+    await app[DRAIN].run(app[CONFIG].shutdown_grace_s)
+
+
+async def _remember_response(request: web.Request, response: web.StreamResponse) -> None:
+    request[RESPONSE] = response
+
+
+async def _sighup(app: web.Application) -> AsyncIterator[None]:
+    """With `KEY_SOURCE` (a served process, not an app in a test): SIGHUP reloads the keys."""
+    source = app.get(KEY_SOURCE)
+    if source is None:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+
+    def reload() -> None:
+        state = app[STATE]
+        updated = reload_keys(state.config, source)
+        if updated is None:
+            return
+        state.config = updated  # the handlers read the keys from here, per request
+        state.dispatcher.classes.rekey(updated.classes)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+
 # -- the completion handler: five steps -----------------------------------------------
 
 
@@ -248,12 +298,19 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
         trace = RequestTrace(
             model=UNKNOWN_MODEL, arrived=time.monotonic(), policy=state.dispatcher.label
         )
+        drain, task = request.app[DRAIN], asyncio.current_task()
+        if task is not None:
+            drain.active.add(task)
         try:
             return await serve(state, request, trace)
         except GatewayError as exc:
             trace.outcome, trace.status = exc.outcome, exc.status
             raise
         except asyncio.CancelledError:
+            if drain.was_cut(task):
+                assert task is not None
+                task.uncancel()
+                return await _cut(request, trace)
             if trace.outcome is None:
                 running = trace.dispatched is not None
                 trace.outcome = Outcome.CANCELLED_RUNNING if running else Outcome.CANCELLED_WAITING
@@ -264,9 +321,29 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
             trace.outcome, trace.status = Outcome.INTERNAL_ERROR, 500
             raise GatewayError("internal error in the gateway") from exc
         finally:
+            if task is not None:
+                drain.active.discard(task)
             settle(state, trace, request.get(JOB))
 
     return handler
+
+
+async def _cut(request: web.Request, trace: RequestTrace) -> web.StreamResponse:
+    """End a request the shutdown grace ran out on: a started stream gets an SSE error event
+    and `[DONE]`, a request not answered yet a 503 (both counted cancelled, code 503)."""
+    error = ShuttingDown("the gateway is shutting down; retry the request")
+    if trace.outcome is None:
+        running = trace.dispatched is not None
+        trace.outcome = Outcome.CANCELLED_RUNNING if running else Outcome.CANCELLED_WAITING
+        trace.status = 503
+    response: web.StreamResponse | None = request.get(RESPONSE)
+    if response is None or not response.prepared:
+        raise error
+    with contextlib.suppress(ConnectionResetError, RuntimeError):  # RuntimeError: eof was sent
+        if response.content_type == SSE_HEADERS["Content-Type"]:
+            await response.write(sse_error_event(error))
+        await response.write_eof()
+    return response
 
 
 async def accept(state: GatewayState, request: web.Request, kind: Kind, trace: RequestTrace) -> Job:
@@ -322,6 +399,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 while a backend is healthy; 503 without one, and from SIGTERM on (draining)."""
+    if request.app[DRAIN].draining:
+        return web.json_response({"status": "draining"}, status=503)
     if request.app[STATE].pool.ready():
         return web.json_response({"status": "ready"})
     return web.json_response({"status": "no healthy backend"}, status=503)

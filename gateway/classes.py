@@ -36,6 +36,11 @@ class Classes:
         self._by_key = {k: c for c in settings.list for k in c.api_keys}
         self.default = self.by_name[settings.default]
 
+    def rekey(self, settings: ClassesSettings) -> None:
+        """Take the client keys of `settings` (a SIGHUP reload: same classes, new keys); the
+        class objects, and so the queues' bands, stay."""
+        self._by_key = {k: self.by_name[c.name] for c in settings.list for k in c.api_keys}
+
     def resolve(self, header: str | None, token: str | None) -> TrafficClass:
         """The class of a request with this header value and bearer token. A key mapped to a
         class caps it: a header may only name a class of the same or a less urgent band."""

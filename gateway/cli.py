@@ -12,9 +12,8 @@ import asyncio
 import logging
 from typing import Any
 
-from aiohttp import web
-
 from gateway.config import ConfigError, GatewayConfig, load
+from gateway.drain import KeySource
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -38,6 +37,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--admin-listen", metavar="HOST:PORT",
                    help="serve /admin routes only on this address")  # fmt: skip
     p.add_argument("--api-key", action="append", help="accepted client API key (repeatable)")
+    p.add_argument("--shutdown-grace", type=float, dest="shutdown_grace_s", metavar="SECONDS",
+                   help="on SIGTERM, seconds in-flight requests get to finish "
+                   "(default 30)")  # fmt: skip
     p.add_argument("--max-waiting", type=int, help="queue bound (429 beyond)")
     p.add_argument("--queue-timeout", type=float, dest="queue_timeout_s", help="seconds before 503")
     p.add_argument("--preemption", action="store_true", default=None, help="allow preemption")
@@ -74,6 +76,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
             "preemption",
             "forward_priority",
             "log_level",
+            "shutdown_grace_s",
         )
     }
     if args.api_key:
@@ -101,45 +104,46 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def serve(config: GatewayConfig) -> int:
-    """Run until SIGINT/SIGTERM (aiohttp's `run_app`), then shut down gracefully: in-flight
-    requests get up to 60 s. On uvloop when it is installed. With `workers` > 1: worker
-    processes and one scheduling authority (`gateway.workers`). Returns the exit status."""
-    from gateway.app import ADMIN, create_app
-    from gateway.security import admin_socket, server_limits
+def serve(config: GatewayConfig, source: KeySource | None = None) -> int:
+    """Run until SIGINT/SIGTERM, then drain: the listener closes, the requests in flight get
+    `shutdown_grace_s`, the rest are ended cleanly, the predictor snapshot is saved, exit 0
+    (`gateway.drain`, `gateway.server`). SIGHUP re-reads the keys from `source`. On uvloop
+    when it is installed. With `workers` > 1: worker processes and one scheduling authority
+    (`gateway.workers`). Returns the exit status."""
+    from gateway import workers
 
     if config.workers > 1:
-        from gateway import workers
-
-        return workers.serve(config)
-
-    try:
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop | None = uvloop.new_event_loop()
-    except ImportError:
-        loop = None
-    log = logging.getLogger("sagesched.gateway")
-    app = create_app(config)
-    admin = admin_socket(config, app[ADMIN])
-    if admin is not None:
-        log.info("admin routes on http://%s only", config.admin_listen)
-    web.run_app(
-        app, host=config.host, port=config.port, sock=admin, backlog=1024,
-        handler_cancellation=True, access_log=None, loop=loop, **server_limits(config),
-        print=lambda _: log.info("listening on http://%s:%d", config.host, config.port),
-    )  # fmt: skip
+        return workers.serve(config, source)
+    with workers.event_loop() as runner:
+        runner.run(_serve_one(config, source))
     return 0
+
+
+async def _serve_one(config: GatewayConfig, source: KeySource | None) -> None:
+    from gateway.app import KEY_SOURCE, create_app
+    from gateway.server import serve_until, stop_on_signals
+
+    log = logging.getLogger("sagesched.gateway")
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    app = create_app(config)
+    if source is not None:
+        app[KEY_SOURCE] = source
+    await serve_until(
+        app, config, stop,
+        ready=lambda: log.info("listening on http://%s:%d", config.host, config.port),
+    )  # fmt: skip
 
 
 def main(argv: list[str], prog: str = "sagesched serve") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
-        config = load(args.config, overrides(args))
+        source = KeySource(args.config, overrides(args))
+        config = load(source.path, source.overrides)
     except (ConfigError, OSError) as exc:
         print(f"{prog}: {exc}")
         return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return serve(config)
+    return serve(config, source)

@@ -237,6 +237,18 @@ class GatewayConfig:
     """Request headers accepted (431 beyond; aiohttp's parser cuts at twice this)."""
     max_header_bytes: int = 8192
     """Largest request header (name and value) and request target (431 / 414 beyond)."""
+    header_timeout_s: float = 10.0
+    """A connection must finish a request's line and headers this long after it opened, or
+    after the first byte of a later request on it; else it is closed (slowloris)."""
+    body_timeout_s: float = 30.0
+    """A request body must have arrived this long after its headers; else 408 and the
+    connection is closed."""
+    stream_buffer_bytes: int = 65_536
+    """Bytes of a stream the gateway holds for a client that reads slowly (the transport's
+    write-buffer high-water mark); beyond it the stream waits for the client."""
+    slow_client_timeout_s: float = 30.0
+    """Longest a stream may wait on a client that does not read; then the gateway cuts it
+    (outcome `client_too_slow`, the upstream request aborted, the backend slot freed)."""
     admin_listen: str | None = None
     """`host:port` serving the admin routes (`/admin/*`) alone; the main address then answers
     them 404 (None: admin routes on the main address, as before). `/metrics` stays on the main
@@ -247,6 +259,10 @@ class GatewayConfig:
     """Accepted client bearer tokens; empty = no client auth."""
     admin_key: str | None = None
     """Bearer token for /admin routes; None = admin routes disabled."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: seconds the requests in flight get to finish before the rest are ended
+    (a stream with an SSE error event); the process exits within about this + 5 s
+    (`gateway.drain`). Kubernetes' terminationGracePeriodSeconds must cover it."""
     health_interval_s: float = 2.0
     """Seconds between backend health checks."""
     connect_timeout_s: float = 5.0
@@ -300,6 +316,7 @@ _ENV_KEYS = {
     "LOG_LEVEL": "log_level",
     "REDIS_URL": "shared_learning.redis_url",
     "REPLICA_ID": "shared_learning.replica_id",
+    "SHUTDOWN_GRACE_S": "shutdown_grace_s",
 }
 
 
@@ -372,6 +389,11 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError("queue_timeout_s must be > 0")
     if config.max_header_bytes < 1024:
         raise ConfigError("max_header_bytes must be >= 1024")
+    for key in ("header_timeout_s", "body_timeout_s", "slow_client_timeout_s"):
+        if getattr(config, key) <= 0:
+            raise ConfigError(f"{key} must be > 0")
+    if config.stream_buffer_bytes < 1024:
+        raise ConfigError("stream_buffer_bytes must be >= 1024")
     rep = config.replicas
     if not 0 <= rep.index < rep.count <= len(config.backends):
         raise ConfigError("replicas: need 0 <= index < count <= number of backends")
@@ -385,6 +407,8 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError(f"shared_learning.redis_url must start with one of {schemes}")
     if shared.maxlen < 1 or shared.buffer < 1 or shared.encoding not in ("int8", "float32"):
         raise ConfigError("shared_learning needs maxlen, buffer >= 1 and encoding int8 or float32")
+    if config.shutdown_grace_s < 0:
+        raise ConfigError("shutdown_grace_s must be >= 0")
     from policies import parse_policy
 
     try:

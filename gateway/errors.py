@@ -31,6 +31,8 @@ class Outcome(enum.StrEnum):
     """The client went away while the request was queued."""
     CANCELLED_RUNNING = "cancelled_running"
     """The client went away while the answer was being generated."""
+    CLIENT_TOO_SLOW = "client_too_slow"
+    """The client read the stream too slowly: the gateway cut it (`slow_client_timeout_s`)."""
     UPSTREAM_ERROR = "upstream_error"
     """The backend answered with an error, or failed before the first byte on every try."""
     UPSTREAM_BROKEN = "upstream_broken"
@@ -112,6 +114,14 @@ class UriTooLong(GatewayError):
     """The request target is longer than `max_header_bytes`."""
 
     status, type, code, outcome = 414, "invalid_request_error", "uri_too_long", Outcome.REJECTED
+
+
+class BodyTimeout(GatewayError, TimeoutError):
+    """The request body did not arrive within `body_timeout_s` of its headers. Also a
+    `TimeoutError`, so that aiohttp, which reads what is left of a body after the response,
+    stops there and closes the connection instead of logging an error."""
+
+    status, type, code, outcome = 408, "invalid_request_error", "body_timeout", Outcome.REJECTED
 
 
 class QueueFull(GatewayError):

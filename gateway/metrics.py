@@ -210,6 +210,13 @@ class GatewayMetrics:
         )  # fmt: skip
         for result in ("written", "dropped"):
             self.capture_records.labels(result)
+        self.connections_cut = Counter(
+            "sagesched_connections_cut",
+            "Client connections cut before a request was parsed (header_timeout: request line "
+            "and headers not complete within header_timeout_s). Not requests.",
+            ("reason",), registry=r,
+        )  # fmt: skip
+        self.connections_cut.labels("header_timeout")
         self.live = _Live()
         """The pool's and the dispatcher's plain numbers, read at scrape time."""
         r.register(self.live)
@@ -340,6 +347,10 @@ class GatewayMetrics:
             if target is not None:
                 met = at is not None and at - t.arrived <= target
                 self.class_slo.labels(c, slo, "met" if met else "missed").inc()
+
+    def count_cut(self, reason: str) -> None:
+        """A connection cut before its request was parsed (`gateway.security`)."""
+        self.connections_cut.labels(reason).inc()
 
     def count_capture(self, result: str) -> None:
         """One traffic-capture record `written` or `dropped` (`gateway.capture`)."""

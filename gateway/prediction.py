@@ -62,6 +62,9 @@ class Prediction:
         self.background: set[asyncio.Task[None]] = set()
         """Predictor work running beside requests (refinements, learning); bounded."""
         self._saver: asyncio.Task[None] | None = None
+        self._saving: asyncio.Future[None] | None = None
+        """A periodic save in its thread (stop waits for it: it must not rename its older
+        snapshot over the last one)."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -93,6 +96,8 @@ class Prediction:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._saver
             self._saver = None
+        if self._saving is not None:
+            await asyncio.gather(self._saving, return_exceptions=True)
         await asyncio.gather(*self.background, return_exceptions=True)
         if self.shared is not None:  # publishes what is buffered, before the last snapshot
             await self.shared.stop()
@@ -113,7 +118,9 @@ class Prediction:
         while True:
             await asyncio.sleep(settings.save_interval_s)
             if self.predictor is not None:
-                await asyncio.to_thread(self.predictor.save, settings.snapshot_path)
+                save = asyncio.to_thread(self.predictor.save, settings.snapshot_path)
+                self._saving = asyncio.ensure_future(save)
+                await asyncio.shield(self._saving)
 
     # -- per request ----------------------------------------------------------------------
 
@@ -241,9 +248,12 @@ async def _observe(predictor: LengthPredictor, ticket: Ticket) -> None:
 
 def _load(config: GatewayConfig) -> LengthPredictor:
     from predictor import LengthPredictor
+    from predictor.history import clean_stale
 
     settings = config.predictor
     path = settings.snapshot_path
+    if path and (n := clean_stale(path)):
+        log.warning("predictor: removed %d unfinished snapshot saves of %s", n, path)
     if path and os.path.exists(path):
         log.info("predictor: loading snapshot %s", path)
         return LengthPredictor.load(path)

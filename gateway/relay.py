@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.backpressure import BoundedStream, ClientTooSlow
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher, Ticket
 from gateway.errors import GatewayError, Outcome, UpstreamBroken, UpstreamRejected, sse_error_event
@@ -117,6 +118,11 @@ class Relay:
         except ClientGone:
             trace.outcome, trace.status = Outcome.CANCELLED_RUNNING, 499
             return state.response or web.Response(status=499)
+        except ClientTooSlow:  # upstream closed and slot freed by now; then cut the client
+            trace.outcome, trace.status = Outcome.CLIENT_TOO_SLOW, 200
+            assert isinstance(state.response, BoundedStream)
+            state.response.cut()
+            return state.response
         finally:
             trace.output_tokens = max(trace.output_tokens, state.tokens)
 
@@ -355,7 +361,15 @@ class Relay:
         state.tokens += 1
 
     async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
-        response = _SSEResponse(status=200, headers=SSE_HEADERS)
+        """Start the client's stream: bounded buffer, bounded wait (`gateway.backpressure`);
+        its headers leave with its first events (`_SSEResponse`)."""
+        config = self._config
+        response = _SSEResponse(
+            limit=config.stream_buffer_bytes,
+            timeout_s=config.slow_client_timeout_s,
+            status=200,
+            headers=SSE_HEADERS,
+        )
         try:
             await response.prepare(request)
         except ConnectionResetError:
@@ -391,7 +405,7 @@ class Relay:
             raise ClientGone() from None
 
 
-class _SSEResponse(web.StreamResponse):
+class _SSEResponse(BoundedStream):
     """A streamed answer whose headers leave with its first events, in one write (aiohttp
     otherwise sends them alone at `prepare`: one more send, and one more wake-up of the
     client, per request). `prepare` comes right before the first write, so nothing waits."""
@@ -471,8 +485,12 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    """The last words of a stream that failed; a client gone or too slow by now is let go."""
     try:
         await response.write(data)
         await response.write_eof()
     except ConnectionResetError:
         pass
+    except ClientTooSlow:
+        if isinstance(response, BoundedStream):
+            response.cut()

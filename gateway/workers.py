@@ -15,7 +15,10 @@ caps, and the dispatcher with one queue per model), and it supervises N workers:
 - a worker that dies is restarted (at most once a second per slot); the authority sees its
   connection close and finishes all its jobs, so their backend slots come back;
 - SIGTERM or SIGINT to the parent: every worker stops accepting and drains its in-flight
-  streams (up to `DRAIN_S`), then the authority stops; exit status 0.
+  streams (up to `shutdown_grace_s`, then ends the rest cleanly: `gateway.drain`), saves its
+  predictor snapshot and exits; then the authority stops; exit status 0;
+- SIGHUP to the parent is forwarded to every worker, and each reloads its keys from the
+  config's source (`gateway.drain.reload_keys`); the parent itself checks no key.
 
 `--workers 1` does not come here: one process does everything, as before.
 """
@@ -37,11 +40,13 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from gateway.config import GatewayConfig
+from gateway.drain import CUT_S, KeySource
 
 log = logging.getLogger("sagesched.workers")
 
-DRAIN_S = 60.0
-"""In-flight streams a stopping worker waits for (aiohttp's shutdown timeout)."""
+EXIT_SLACK_S = 30.0
+"""Beyond a worker's own bound (grace, cut, aiohttp's backstop) before it is killed: the
+predictor snapshot save and the interpreter's exit."""
 READY_TIMEOUT_S = 300.0
 """A starting worker must listen within this (it loads the predictor's model first)."""
 RESTART_DELAY_S = 1.0
@@ -60,14 +65,15 @@ class _Slot:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def serve(config: GatewayConfig) -> int:
-    """Run the authority and `config.workers` workers until SIGTERM/SIGINT; the exit status."""
-    runner = _runner()
-    with runner:
-        return runner.run(_parent(config))
+def serve(config: GatewayConfig, source: KeySource | None = None) -> int:
+    """Run the authority and `config.workers` workers until SIGTERM/SIGINT; the exit status.
+    `source`: where the workers re-read their keys on SIGHUP (None: SIGHUP is ignored)."""
+    with event_loop() as runner:
+        return runner.run(_parent(config, source))
 
 
-def _runner() -> asyncio.Runner:
+def event_loop() -> asyncio.Runner:
+    """The loop a served process runs on: uvloop when it is installed."""
     try:
         import uvloop
     except ImportError:
@@ -75,7 +81,7 @@ def _runner() -> asyncio.Runner:
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
 
 
-async def _parent(config: GatewayConfig) -> int:
+async def _parent(config: GatewayConfig, source: KeySource | None = None) -> int:
     from gateway.authority import Authority
 
     folder = tempfile.mkdtemp(prefix="sagesched-")
@@ -86,27 +92,37 @@ async def _parent(config: GatewayConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     slots = [_Slot(i) for i in range(config.workers)]
+    loop.add_signal_handler(signal.SIGHUP, _forward, slots, signal.SIGHUP)
     try:
         await authority.start(path)
         for slot in slots:
-            _spawn(config, path, slot)
+            _spawn(config, path, slot, source)
         if not await _all_ready(authority, slots, stop):
             return 0 if stop.is_set() else 1  # a stop signal while starting is no failure
         log.info("listening on http://%s:%d with %d workers", config.host, config.port,
                  config.workers)  # fmt: skip
-        await _supervise(config, path, slots, stop)
+        await _supervise(config, path, slots, stop, source)
         return 0
     finally:
-        await _stop_workers(slots)
+        loop.remove_signal_handler(signal.SIGHUP)
+        await _stop_workers(slots, config.shutdown_grace_s + 2 * CUT_S + EXIT_SLACK_S)
         await authority.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _spawn(config: GatewayConfig, path: str, slot: _Slot) -> None:
+def _forward(slots: list[_Slot], sig: int) -> None:
+    """Send `sig` to every live worker (SIGHUP: each reloads its keys)."""
+    for s in slots:
+        if s.process is not None and s.process.pid and not s.exited.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(s.process.pid, sig)
+
+
+def _spawn(config: GatewayConfig, path: str, slot: _Slot, source: KeySource | None) -> None:
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=worker_main, args=(config, path, slot.index),
+    proc = ctx.Process(target=worker_main, args=(config, path, slot.index, source),
                        name=f"sagesched-worker-{slot.index}", daemon=True)  # fmt: skip
     proc.start()
     slot.process, slot.started = proc, time.monotonic()
@@ -145,7 +161,7 @@ async def _all_ready(authority: Any, slots: list[_Slot], stop: asyncio.Event) ->
 
 
 async def _supervise(config: GatewayConfig, path: str, slots: list[_Slot],
-                     stop: asyncio.Event) -> None:  # fmt: skip
+                     stop: asyncio.Event, source: KeySource | None) -> None:  # fmt: skip
     """Restart workers that die, until a stop signal."""
     while not stop.is_set():
         waits = {asyncio.ensure_future(s.exited.wait()): s for s in slots}
@@ -168,11 +184,11 @@ async def _supervise(config: GatewayConfig, path: str, slots: list[_Slot],
             if stop.is_set():
                 return
             slot.restarts += 1
-            _spawn(config, path, slot)
+            _spawn(config, path, slot, source)
 
 
-async def _stop_workers(slots: list[_Slot]) -> None:
-    """SIGTERM to every live worker (each drains), then wait; SIGKILL after the drain time."""
+async def _stop_workers(slots: list[_Slot], bound_s: float) -> None:
+    """SIGTERM to every live worker (each drains), then wait; SIGKILL after `bound_s`."""
     live = [s for s in slots if s.process is not None and not s.exited.is_set()]
     for s in live:
         assert s.process is not None
@@ -181,7 +197,7 @@ async def _stop_workers(slots: list[_Slot]) -> None:
     if not live:
         return
     waits = [asyncio.ensure_future(s.exited.wait()) for s in live]
-    _, pending = await asyncio.wait(waits, timeout=DRAIN_S + 10)
+    _, pending = await asyncio.wait(waits, timeout=bound_s)
     for s, f in zip(live, waits, strict=True):
         if f in pending:
             assert s.process is not None
@@ -196,16 +212,19 @@ async def _stop_workers(slots: list[_Slot]) -> None:
 # -- the worker process -------------------------------------------------------------------
 
 
-def worker_main(config: GatewayConfig, path: str, index: int) -> None:
+def worker_main(
+    config: GatewayConfig, path: str, index: int, source: KeySource | None = None
+) -> None:
     """A worker's entry point (a spawned process): connect to the authority, serve the app on
-    the shared port until SIGTERM/SIGINT, drain, exit."""
+    the shared port until SIGTERM/SIGINT, drain, exit. SIGHUP reloads the keys from `source`
+    (ignored until the app runs: SIGHUP's default action would end the process)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(
         level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s[w{index}]: %(message)s",
     )
-    runner = _runner()
-    with runner:
-        runner.run(_worker(worker_config(config, index), path, index))
+    with event_loop() as runner:
+        runner.run(_worker(worker_config(config, index), path, index, source))
 
 
 def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
@@ -230,32 +249,19 @@ def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
                                shared_learning=shared)  # fmt: skip
 
 
-async def _worker(config: GatewayConfig, path: str, index: int) -> None:
-    from aiohttp import web
-
-    from gateway.app import ADMIN
+async def _worker(config: GatewayConfig, path: str, index: int, source: KeySource | None) -> None:
+    from gateway.app import KEY_SOURCE
     from gateway.remote import AuthorityLink, create_worker_app
-    from gateway.security import admin_socket, server_limits
+    from gateway.server import serve_until, stop_on_signals
 
     link = await AuthorityLink.connect(path, index, config)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop)
     link.on_lost(stop.set)  # no authority, no scheduling: stop (the parent is gone)
     app = create_worker_app(config, link)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=DRAIN_S, **server_limits(config))  # fmt: skip
-    await runner.setup()
+    if source is not None:
+        app[KEY_SOURCE] = source
     try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_port=True)
-        await site.start()
-        admin = admin_socket(config, app[ADMIN], reuse_port=True)
-        if admin is not None:
-            await web.SockSite(runner, admin).start()
-        link.ready()
-        await stop.wait()
-        log.info("worker %d draining", index)
+        await serve_until(app, config, stop, reuse_port=True, ready=link.ready)
     finally:
-        await runner.cleanup()  # stops accepting, waits for in-flight handlers, then cleanup
         await link.close()

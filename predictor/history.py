@@ -11,8 +11,11 @@ never held long). Blocking: call from worker threads when on an event loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -147,7 +150,7 @@ class HistoryIndex:
     def to_arrays(self, prefix: str) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
         """(JSON-able header, arrays) of this index, array names prefixed (a snapshot member
         set; `from_arrays` inverts it)."""
-        with tempfile.TemporaryDirectory(prefix="sagesched-hnsw-") as tmp:
+        with _scratch(Path(tempfile.gettempdir()), "sagesched-hnsw") as tmp:
             with self._lock:
                 self._index.save_index(str(Path(tmp) / "index.bin"))
                 header = {
@@ -189,7 +192,7 @@ class HistoryIndex:
             ef_construction=int(header["ef_construction"]),
             ef_search=ef_search,
         )
-        with tempfile.TemporaryDirectory(prefix="sagesched-hnsw-") as tmp:
+        with _scratch(Path(tempfile.gettempdir()), "sagesched-hnsw") as tmp:
             arrays[f"{prefix}graph"].tofile(Path(tmp) / "index.bin")
             self._index.load_index(str(Path(tmp) / "index.bin"), max_elements=self.capacity)
         self._index.set_ef(ef_search)
@@ -203,7 +206,7 @@ class HistoryIndex:
         folder. `extra` (JSON-able) is stored in the header; see `read_header`."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".hnsw-") as tmp:
+        with _scratch(target.parent, f".{target.name}.hnsw") as tmp:
             with self._lock:
                 self._index.save_index(str(Path(tmp) / "index.bin"))
                 header = {
@@ -273,7 +276,7 @@ def atomic_savez(path: str | os.PathLike[str], arrays: dict[str, NDArray[Any]]) 
     (a crash leaves either the old or the new file)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".snap-") as tmp:
+    with _scratch(target.parent, f".{target.name}.snap") as tmp:
         part = Path(tmp) / "snapshot.npz"
         with open(part, "wb") as f:
             np.savez(f, **arrays)  # type: ignore[arg-type]
@@ -286,6 +289,50 @@ def atomic_savez(path: str | os.PathLike[str], arrays: dict[str, NDArray[Any]]) 
 def json_member(obj: dict[str, Any]) -> NDArray[np.uint8]:
     """A JSON object as a uint8 snapshot member (no pickle)."""
     return _json_bytes(obj)
+
+
+def clean_stale(path: str | os.PathLike[str]) -> int:
+    """Remove the temporary folders that saves of the snapshot `path` left behind when their
+    process was killed (SIGKILL mid-save); the number removed. Every save does it, and the
+    gateway at start (`gateway.prediction`)."""
+    target = Path(path)
+    removed = 0
+    for stem in (f".{target.name}.snap", f".{target.name}.hnsw"):
+        removed += _remove_dead(target.parent, stem)
+    return removed
+
+
+def _scratch(folder: Path, stem: str) -> tempfile.TemporaryDirectory[str]:
+    """A temporary folder `<stem>-<pid>-<random>` in `folder`, after removing those of the
+    same stem left by processes that no longer run (a save killed by SIGKILL leaves its
+    folder behind; the target itself is never half-written: the rename is atomic). A live
+    process's folder is never touched: two processes may save side by side."""
+    _remove_dead(folder, stem)
+    return tempfile.TemporaryDirectory(dir=folder, prefix=f"{stem}-{os.getpid()}-")
+
+
+def _remove_dead(folder: Path, stem: str) -> int:
+    pattern = re.compile(re.escape(stem) + r"-(\d+)-")
+    removed = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(folder) as entries:
+        for entry in entries:
+            m = pattern.match(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and not _alive(int(m.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:

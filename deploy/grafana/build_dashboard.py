@@ -100,7 +100,8 @@ def variable(name: str, label: str, query: str) -> dict[str, Any]:
 
 def panels() -> list[dict[str, Any]]:
     ttft, ttlt = "sagesched_time_to_first_token_seconds", "sagesched_time_to_last_token_seconds"
-    errors = 'outcome!~"completed|rejected|queue_full|shed|cancelled_waiting|cancelled_running"'
+    client = "cancelled_waiting|cancelled_running|client_too_slow"  # the client's doing
+    errors = f'outcome!~"completed|rejected|queue_full|shed|{client}"'
     out = [
         row("Overview", 0),
         panel("Request rate", "Requests per second that reached a terminal state.",
