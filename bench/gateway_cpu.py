@@ -1,14 +1,21 @@
-"""The gateway's CPU time per request at a fixed open-loop rate, FCFS and SageSched side by side.
+"""CPU time per request at a fixed open-loop rate: nginx, the gateway with FCFS (and SageSched).
 
 A zero-compute backend (the one of `gateway_overhead.py`) answers 16 streamed tokens; requests
-with distinct short prompts arrive at `--rates` per second for `--seconds`; the gateway (pinned
-to core 0, one torch thread) is charged the user + system CPU time its process used, divided
-by the requests sent. SageSched's extra is the predictor: one embedding per prompt (MiniLM),
-the neighbour query and learning the true length.
+with distinct short prompts arrive at `--rates` per second for `--seconds`. Each proxy in turn
+(nginx with `proxy_buffering off` and upstream keepalive, one worker: the lower bound for a
+streaming proxy; then the gateway, one torch thread) is pinned to core 0, the backend and this
+client to core 1 (`--client-core`; every write to the client then wakes a process on the other
+core, which costs the proxy more than a wake-up on its own core), and the proxy is charged the
+user + system CPU time of its processes (nginx: master and worker; the gateway: its one
+process) over the requests sent. CPU time, unlike wall-clock latency, moves little when other
+work shares the machine, so the figures compare across runs; `--repeat` measures each rate
+that many times per proxy and prints the range. SageSched's extra is the predictor: one
+embedding per prompt (MiniLM), the neighbour query and learning the true length.
 
-Run: `python bench/gateway_cpu.py [--rates 20,40] [--seconds 8]` (about a minute). To compare
-two versions of the gateway, run it from a `git worktree` of each (the gateway process imports
-the code of the current directory).
+Run: `python bench/gateway_cpu.py [--rates 20,40] [--seconds 8] [--repeat 3]
+[--policies fcfs,sagesched] [--client-core 1]` (about a minute per proxy and repeat). To
+compare two versions of the gateway, run it from a `git worktree` of each (the gateway process
+imports the code of the current directory).
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import aiohttp
@@ -26,15 +36,32 @@ import aiohttp
 from loadgen.procs import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_overhead import BACKEND, PY, gateway_cmd, process
-
-TICK = os.sysconf("SC_CLK_TCK")
+from gateway_overhead import BACKEND, NGINX, PY, gateway_cmd, process
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """CPU seconds of process `pid`, all its live threads: the scheduler's own count
+    (`schedstat`, nanoseconds), not the 10 ms ticks of `/proc/PID/stat`, which undercount a
+    proxy that runs in short bursts between ticks."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (nginx: the master and its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").iterdir():
+            todo.extend(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    return sum(cpu_s(p) for p in tree(pid))
 
 
 async def open_loop(url: str, rate: float, seconds: float) -> int:
@@ -63,39 +90,99 @@ async def open_loop(url: str, rate: float, seconds: float) -> int:
     return n
 
 
-def measure(policy: str, backend: int, rates: list[float], seconds: float) -> dict[float, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    port = free_port()
-    out = {}
-    with process(gateway_cmd(backend, port, policy), 0, f"http://127.0.0.1:{port}/ready", env):
-        found = subprocess.run(["pgrep", "-f", f"sagesched_cli serve.*--port {port}"],
-                               capture_output=True, text=True, check=True)  # fmt: skip
-        pid = int(found.stdout.split()[0])
+Proxy = Callable[[], tuple[int, AbstractContextManager[int]]]
+"""Starts a proxy: its port, and the block that runs it (yielding its process id)."""
+
+
+def measure(
+    start: Proxy, rates: list[float], seconds: float, repeat: int
+) -> dict[float, list[float]]:
+    """CPU ms per request of the proxy's process tree, `repeat` times at each rate."""
+    out: dict[float, list[float]] = {r: [] for r in rates}
+    port, proxy = start()
+    with proxy as pid:
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(open_loop(url, rates[0], 2.0))  # warm-up
-        for rate in rates:
-            time.sleep(2.0)  # background work of the previous step settles
-            before = cpu_s(pid)
-            n = asyncio.run(open_loop(url, rate, seconds))
-            time.sleep(2.0)  # learning runs after the responses
-            out[rate] = (cpu_s(pid) - before) * 1000 / n
+        asyncio.run(open_loop(url, rates[0], 2.0))  # warm-up: connections, caches
+        for _ in range(repeat):
+            for rate in rates:
+                time.sleep(2.0)  # background work of the previous step settles
+                before = tree_cpu_s(pid)
+                n = asyncio.run(open_loop(url, rate, seconds))
+                time.sleep(2.0)  # the gateway's learning runs after the responses
+                out[rate].append((tree_cpu_s(pid) - before) * 1000 / n)
     return out
+
+
+def nginx(backend: int, tmp: str) -> Proxy:
+    def start() -> tuple[int, AbstractContextManager[int]]:
+        port = free_port()
+        conf = Path(tmp) / "nginx.conf"
+        conf.write_text(NGINX.format(dir=tmp, backend=backend, port=port))
+        ready = f"http://127.0.0.1:{port}/health"
+        return port, process(["nginx", "-c", str(conf), "-p", tmp], 0, ready)
+
+    return start
+
+
+def gateway(backend: int, policy: str) -> Proxy:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+    def start() -> tuple[int, AbstractContextManager[int]]:
+        port = free_port()
+        ready = f"http://127.0.0.1:{port}/ready"
+        return port, process(gateway_cmd(backend, port, policy), 0, ready, env)
+
+    return start
+
+
+def span(xs: list[float]) -> str:
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
+
+
+def table(got: dict[str, dict[float, list[float]]], rates: list[float]) -> str:
+    """One row per rate: each proxy's ms/request (range over repeats) and the ratios of the
+    medians to nginx (FCFS) and to FCFS (SageSched)."""
+    med = {p: {r: sorted(v)[len(v) // 2] for r, v in cells.items()} for p, cells in got.items()}
+    head = ["rate req/s", "nginx CPU ms/request", "FCFS CPU ms/request", "FCFS / nginx"]
+    if "sagesched" in got:
+        head += ["SageSched CPU ms/request", "SageSched / FCFS"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in rates:
+        row = [f"{r:g}", span(got["nginx"][r]), span(got["fcfs"][r])]
+        row.append(f"{med['fcfs'][r] / med['nginx'][r]:.2f}")
+        if "sagesched" in got:
+            row += [span(got["sagesched"][r]), f"{med['sagesched'][r] / med['fcfs'][r]:.2f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="20,40", help="requests per second, comma-separated")
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--repeat", type=int, default=1, help="measurements per rate and proxy")
+    ap.add_argument("--policies", default="fcfs,sagesched", help="gateway policies (fcfs first)")
+    ap.add_argument("--client-core", type=int, default=1, help="this client's core (-1: any)")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
+    policies = args.policies.split(",")
+    if "fcfs" not in policies or not shutil.which("nginx"):
+        ap.error("needs nginx (`make system-deps`) and fcfs among --policies")
+    if args.client_core >= 0 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.client_core})  # beside the backend: core 0 is the proxy's
     backend = free_port()
-    with process([PY, "-c", BACKEND, str(backend)], 1, f"http://127.0.0.1:{backend}/health"):
-        got = {p: measure(p, backend, rates, args.seconds) for p in ("fcfs", "sagesched")}
-    print("| rate req/s | FCFS CPU ms/request | SageSched CPU ms/request | SageSched / FCFS |")
-    print("|---:|---:|---:|---:|")
-    for r in rates:
-        f, s = got["fcfs"][r], got["sagesched"][r]
-        print(f"| {r:g} | {f:.2f} | {s:.2f} | {s / f:.2f} |")
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        process([PY, "-c", BACKEND, str(backend)], 1, f"http://127.0.0.1:{backend}/health"),
+    ):
+        proxies = {"nginx": nginx(backend, tmp)}
+        proxies.update({p: gateway(backend, p) for p in policies})
+        got = {name: measure(start, rates, args.seconds, args.repeat)
+               for name, start in proxies.items()}  # fmt: skip
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(table(got, rates))
 
 
 if __name__ == "__main__":

@@ -112,13 +112,13 @@ NGINX = textwrap.dedent(
 @contextmanager
 def process(
     cmd: list[str], core: int | str, ready_url: str, env: dict[str, str] | None = None
-) -> Iterator[None]:
+) -> Iterator[int]:
     """Run `cmd` pinned to `core` (a CPU, or a taskset list such as "0,1") until the block
-    ends; wait for `ready_url` to answer."""
+    ends; wait for `ready_url` to answer. Yields the process id of `cmd` itself (`taskset`
+    execs it)."""
     full = ["taskset", "-c", str(core), *cmd] if shutil.which("taskset") else cmd
     with tempfile.TemporaryDirectory() as logs, Children(Path(logs), grace_s=15) as children:
-        children.start("child", full, ready_url, timeout_s=120, env=env)
-        yield
+        yield children.start("child", full, ready_url, timeout_s=120, env=env).pid
 
 
 async def load(

@@ -37,6 +37,9 @@ from policies.capacity import CapController, CapLaw, EngineSample, combine_kv
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+NO_METRICS_RETRY_S = 30.0
+"""A backend that answered 404 for `/metrics` (not vLLM) is asked again after this long,
+not every quarter second of a slow start that never ends without samples."""
 
 
 @dataclass(eq=False)
@@ -88,18 +91,22 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 """V1's name, then V0's (same meaning)."""
 GENERATED = ("vllm:generation_tokens_total", "vllm:generation_tokens")
+_WANTED_PREFIXES = (WAITING, *KV_USAGE, *GENERATED)
 
 
 def read_sample(text: str) -> EngineSample:
     """vLLM's `/metrics` text → `EngineSample`. A series absent from the text is unknown
     (None); samples of several engines (label `engine`) or models are summed for the queue and
     the token counter, and the KV usage is the fullest engine's (`combine_kv`), never a sum
-    above 1. Raises ValueError on text that is not a Prometheus exposition."""
+    above 1. Only the lines of the wanted series are parsed: vLLM's exposition has hundreds of
+    histogram lines, ~12 us each to parse, scraped every second (text without them reads as
+    all unknown). Raises ValueError when a wanted line is malformed."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, list[float]] = {}
     wanted = {WAITING, *KV_USAGE, *GENERATED}
-    for family in text_string_to_metric_families(text):
+    lines = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES))
+    for family in text_string_to_metric_families(lines):
         for sample in family.samples:
             if sample.name in wanted:
                 values.setdefault(sample.name, []).append(float(sample.value))
@@ -257,20 +264,23 @@ class BackendPool:
 
     async def _adapt_loop(self, b: Backend) -> None:
         assert b.controller is not None
+        wait_s = b.controller.interval_s
         while True:
-            await asyncio.sleep(b.controller.interval_s)
+            await asyncio.sleep(wait_s)
             if b.healthy:
-                await self._adapt(b)
+                wait_s = await self._adapt(b)
 
-    async def _adapt(self, b: Backend) -> None:
-        """One scrape of `b`'s `/metrics` and one step of its cap controller."""
+    async def _adapt(self, b: Backend) -> float:
+        """One scrape of `b`'s `/metrics` and one step of its cap controller. Returns the
+        seconds until the next scrape."""
         assert b.controller is not None
         try:
             status, text = await self._get(b, "/metrics")
             sample = read_sample(text) if status == 200 else EngineSample()
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            return  # no reading this time: the controller waits for the next one
+            return b.controller.interval_s  # no reading this time: wait for the next one
         self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight, b.finished))
+        return NO_METRICS_RETRY_S if status == 404 else b.controller.interval_s
 
     def set_cap(self, b: Backend, new: int) -> None:
         """Apply a new cap; a larger one wakes the dispatcher."""

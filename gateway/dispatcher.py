@@ -151,6 +151,12 @@ class Dispatcher:
     def needs_prediction(self) -> bool:
         return self._template.needs_prediction
 
+    @property
+    def may_preempt(self) -> bool:
+        """Can a running job ever be preempted (allowed by config, and the composed policy
+        preempts)? If not, the relay keeps no continuation text."""
+        return self._config.preemption and self._template.preemptive
+
     def waiting(self) -> int:
         return sum(len(s.queue) for s in self._schedulers.values())
 

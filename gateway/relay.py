@@ -7,13 +7,16 @@ middleware does), except as the SSE error event of a stream that already started
 
 Streaming answers are relayed event by event with as little work per event as possible: no
 JSON parsing of token chunks unless preemption needs the text, a byte check to recognise the
-usage chunk (always requested upstream; dropped again if the client did not ask for it), and
-one write per event. TTFT, inter-token gaps and TTLT are measured here, on the gateway's
-monotonic clock.
+usage chunk (always requested upstream; dropped again if the client did not ask for it), one
+write and one token report to the slot per upstream read (the response's headers leave with
+its first events, the events read with `[DONE]` with the end of the body). TTFT, inter-token
+gaps and TTLT are measured here, on the gateway's monotonic clock.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
 import time
@@ -58,8 +61,11 @@ class StreamState:
     """What has reached the client so far, across preemption segments."""
 
     response: web.StreamResponse | None = None
+    keep_text: bool = False
+    """Keep the generated text: the request may be preempted and resumed as a continuation
+    (`Dispatcher.may_preempt` and a continuable call), decided once per request."""
     text: str = ""
-    """Generated text so far (kept only when the request may be preempted)."""
+    """Generated text so far (kept only with `keep_text`)."""
     tokens: int = 0
     """Token chunks relayed so far (all segments)."""
     tokens_before: int = 0
@@ -99,7 +105,7 @@ class Relay:
         errors raised before anything was sent, which propagate (the error middleware renders
         them)."""
         trace = job.ctx.trace
-        state = StreamState()
+        state = StreamState(keep_text=self._dispatcher.may_preempt and job.ctx.call.continuable)
         try:
             async with self._dispatcher.slot(job) as slot:
                 await self._run(request, slot, state)
@@ -203,24 +209,28 @@ class Relay:
         a preemption stops it wherever it waits (also on a backend that sends nothing), and
         the upstream request is closed here, which aborts it in vLLM."""
         done = False
-        pending = b""
+        pending = last = b""
         with slot.preemptible() as window:
             try:
                 # Whatever bytes are available at once are handled together and relayed in one
                 # write: under load several events arrive per read, and writes are the cost.
+                # The events read with `[DONE]` go out with the end of the body, in one write.
                 async for data in resp.content.iter_any():
                     pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                     *events, pending = pending.split(b"\n\n")
                     out, done = self._events(slot, events, state)
+                    if done:
+                        last = out
+                        break
                     if out:
                         response = state.response or await self._open(request, state)
                         await _write(response, out)
-                    if done or window.requested:
+                    if window.requested:
                         break
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
                 raise self._broken(slot.job.ctx.trace.backend, exc, "the stream") from None
         if done:
-            await self._finish_stream(request, slot.job, state)
+            await self._finish_stream(request, slot.job, state, last)
             return Attempt.COMPLETED
         if window.preempted:
             resp.close()
@@ -228,23 +238,72 @@ class Relay:
         raise self._broken(slot.job.ctx.trace.backend, None, "the stream")
 
     def _events(self, slot: Slot, events: list[bytes], state: StreamState) -> tuple[bytes, bool]:
-        """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came."""
+        """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came.
+        The slot hears of their tokens once, after the read."""
+        if not state.segments and not state.keep_text:
+            bulk = self._bulk_events(slot, events, state)
+            if bulk is not None:
+                return bulk
         out: list[bytes] = []
+        before = state.tokens
+        done = False
         for event in events:
             for line in event.split(b"\n"):
                 if not line.startswith(b"data:"):
                     continue  # comments and other fields; events are re-framed below
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
-                    return b"".join(out), True
+                    done = True
+                    break
                 if self._event(slot, payload, state):
                     out.append(b"data: " + payload + b"\n\n")
-        return b"".join(out), False
+            if done:
+                break
+        _report(slot, state, before)
+        return b"".join(out), done
+
+    def _bulk_events(
+        self, slot: Slot, events: list[bytes], state: StreamState
+    ) -> tuple[bytes, bool] | None:
+        """`_events` for the common case, in bulk: a first segment whose text is not kept
+        (no preemption possible), every event one `data: ` line, relayed as it came. The
+        empty-delta marks are searched once in the whole read (they are rare: the role and
+        the finish chunk), and token events arriving in one read are timed together (gaps of
+        0 between them). None, with nothing changed, when an event is not of that form (the
+        general path runs)."""
+        keep: list[bytes] = []
+        usage = None
+        done = False
+        for event in events:
+            if not event.startswith(b"data: ") or b"\n" in event:
+                return None
+            if event.startswith(b"data: [DONE]") and event.rstrip() == b"data: [DONE]":
+                done = True
+                break
+            if _USAGE_MARK in event:
+                usage = event
+                continue
+            keep.append(event)
+        blob = b"\n\n".join(keep)
+        tokens = len(keep) - _marked_events(blob, keep)
+        if usage is not None:
+            self._event(slot, usage[6:].strip(), state)  # held back, read for its counts
+        if tokens:
+            now = time.monotonic()
+            trace = slot.job.ctx.trace
+            if trace.first_token is None:
+                trace.first_token = now
+            else:
+                trace.gaps_s.append(now - state.last_token_at)
+            trace.gaps_s.extend([0.0] * (tokens - 1))
+            state.last_token_at = now
+            state.tokens += tokens
+            slot.tokens(tokens)
+        return (blob + b"\n\n" if keep else b""), done
 
     def _event(self, slot: Slot, payload: bytes, state: StreamState) -> bool:
         """Count and time one upstream event; True if it is relayed as it is (the usage
         chunk is held back, a continuation's repeated role chunk dropped)."""
-        ticket: Ticket = slot.job.ctx
         if _USAGE_MARK in payload:
             state.usage_raw = payload
             try:
@@ -252,11 +311,11 @@ class Relay:
             except ValueError:
                 state.usage = None
             return False
-        is_token = not any(mark in payload for mark in _EMPTY_CONTENT)
+        is_token = not _is_empty(payload)
         if state.segments and not is_token and _ROLE_MARK in payload:
             return False
         if is_token:
-            if self._config.preemption and ticket.call.continuable:
+            if state.keep_text:
                 state.text += _chunk_text(payload)
             self._count_token(slot, state)
         return True
@@ -273,8 +332,10 @@ class Relay:
             async for data in resp.content.iter_any():
                 pending += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                 *events, pending = pending.split(b"\n\n")
+                before = state.tokens
                 for event in events:
                     self._response_event(slot, event, state)
+                _report(slot, state, before)
                 await _write(response, data)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise self._broken(slot.job.ctx.trace.backend, exc, "the stream") from None
@@ -314,6 +375,7 @@ class Relay:
         return UpstreamBroken(message)
 
     def _count_token(self, slot: Slot, state: StreamState) -> None:
+        """Time one token event; the slot hears of it in `_report`, once per read."""
         now = time.monotonic()
         trace = slot.job.ctx.trace
         if trace.first_token is None:
@@ -322,12 +384,12 @@ class Relay:
             trace.gaps_s.append(now - state.last_token_at)
         state.last_token_at = now
         state.tokens += 1
-        slot.tokens(1)
 
     async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
-        """Start the client's stream: bounded buffer, bounded wait (`gateway.backpressure`)."""
+        """Start the client's stream: bounded buffer, bounded wait (`gateway.backpressure`);
+        its headers leave with its first events (`_SSEResponse`)."""
         config = self._config
-        response = BoundedStream(
+        response = _SSEResponse(
             limit=config.stream_buffer_bytes,
             timeout_s=config.slow_client_timeout_s,
             status=200,
@@ -340,7 +402,11 @@ class Relay:
         state.response = response
         return response
 
-    async def _finish_stream(self, request: web.Request, job: Job, state: StreamState) -> None:
+    async def _finish_stream(
+        self, request: web.Request, job: Job, state: StreamState, events: bytes
+    ) -> None:
+        """The usage chunk (if the client asked for it) and `[DONE]` after `events` (the
+        events that came with the upstream's `[DONE]`), and the end of the body: one write."""
         ticket: Ticket = job.ctx
         trace = ticket.trace
         response = state.response or await self._open(request, state)
@@ -355,12 +421,49 @@ class Relay:
         if ticket.call.wants_usage and usage is not None:
             chunk = state.usage_raw if not state.segments else _usage_chunk(usage, state)
             tail = b"data: " + chunk + b"\n\n" + tail
+        tail = events + tail
         trace.finished = time.monotonic()
         trace.output_tokens = state.tokens
         try:
             await response.write_eof(tail)  # the last events and the end of the body, one write
         except ConnectionResetError:
             raise ClientGone() from None
+
+
+class _SSEResponse(BoundedStream):
+    """A streamed answer whose headers leave with its first events, in one write (aiohttp
+    otherwise sends them alone at `prepare`: one more send, and one more wake-up of the
+    client, per request). `prepare` comes right before the first write, so nothing waits."""
+
+    _send_headers_immediately = False  # aiohttp's own switch (its `Response` sets it too)
+
+
+def _report(slot: Slot, state: StreamState, before: int) -> None:
+    """Tell the slot of the tokens counted since `before`: once per upstream read, not per
+    token (review points and preemption are decided at read boundaries; the events of one
+    read reach the client in one write anyway)."""
+    if state.tokens > before:
+        slot.tokens(state.tokens - before)
+
+
+def _is_empty(payload: bytes) -> bool:
+    """Is this chunk an empty delta (a role or finish chunk, not a token)?"""
+    e = _EMPTY_CONTENT
+    return e[0] in payload or e[1] in payload or e[2] in payload or e[3] in payload
+
+
+def _marked_events(blob: bytes, events: list[bytes]) -> int:
+    """How many of `events` (joined by blank lines into `blob`) contain an empty-delta mark:
+    each mark's occurrences in `blob`, mapped to their event by its end offset."""
+    marked: set[int] = set()
+    ends: list[int] | None = None
+    for mark in _EMPTY_CONTENT:
+        at = blob.find(mark)
+        while at >= 0:
+            ends = ends or list(itertools.accumulate(len(e) + 2 for e in events))
+            marked.add(bisect.bisect_right(ends, at))
+            at = blob.find(mark, at + 1)
+    return len(marked)
 
 
 def _take_usage(usage: Any, state: StreamState, trace: Any) -> None:

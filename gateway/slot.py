@@ -65,12 +65,13 @@ class Slot(Protocol):
       PREEMPTED or RETRY. It raises `QueueTimeout` after the class's (or the gateway's) queue
       timeout and `Shed` when a more urgent arrival evicted the job from a full queue.
       Cancelling it (the client left) is safe: the exit withdraws the job.
-    - `tokens(n)`: `n` more output tokens reached the client. It is called per relayed chunk,
-      so it must be cheap. The scheduler needs to hear of them only when the request's total
-      (`job.generated`, all attempts) reaches `review_at` (None: not before the attempt ends);
-      a remote slot counts locally and sends one message there, plus the remainder with
-      `ended`. The local slot forwards every call (`Scheduler.progress`, one call in the same
-      process), so running keys stay exact between review points.
+    - `tokens(n)`: `n` more output tokens reached the client. It is called once per upstream
+      read (the tokens of the events read together), so it must be cheap. The scheduler needs
+      to hear of them only when the request's total (`job.generated`, all attempts) reaches
+      `review_at` (None: not before the attempt ends); a remote slot counts locally and sends
+      one message there, plus the remainder with `ended`. The local slot forwards every call
+      (`Scheduler.progress`, one call in the same process), so running keys stay exact
+      between review points.
     - `preemptible()`: a new `PreemptWindow` for the current attempt, the only time the
       scheduler may preempt it (the relay opens it around reading a stream; only a stream of a
       continuable call is ever preempted). Preemption cancels the task inside the window, so a
