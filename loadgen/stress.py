@@ -28,7 +28,8 @@ class Result:
 
     status: int
     tokens: int = 0
-    """Content pieces received (streamed: chunks with text; non-streamed: usage)."""
+    """Content pieces received (streamed: chunks with text, chat or completions; non-streamed:
+    usage)."""
     usage_tokens: int | None = None
     """`usage.completion_tokens`, when the answer carried it."""
     retry_after: str | None = None
@@ -89,7 +90,9 @@ async def request(
             if chunk.get("usage"):
                 res.usage_tokens = chunk["usage"].get("completion_tokens")
             choices = chunk.get("choices") or ()
-            if choices and (choices[0].get("delta") or {}).get("content"):
+            if choices and (
+                choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
+            ):
                 res.tokens += 1
                 if res.ttft_s is None:
                     res.ttft_s = time.monotonic() - t0
