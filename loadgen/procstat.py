@@ -43,3 +43,26 @@ class Sample:
 
 def sample(pid: int) -> Sample:
     return Sample(rss_kb(pid), fd_count(pid), cpu_s(pid))
+
+
+def socket_remote_ports(pid: int) -> list[int]:
+    """The remote port of each TCP socket `pid` holds open (0 for a listening socket), from
+    /proc/PID/net/tcp{,6} matched to its descriptors by inode."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.append(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports

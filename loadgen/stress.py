@@ -38,6 +38,8 @@ class Result:
     cancelled: bool = False
     error_json: bool = True
     """False when an error answer (>= 400) was not an OpenAI JSON error object."""
+    stream_error: str | None = None
+    """The message of an SSE error event (a stream that broke after it started)."""
 
 
 def chat_body(text: str, max_tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
@@ -87,6 +89,8 @@ async def request(
             if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if isinstance(chunk.get("error"), dict):
+                res.stream_error = str(chunk["error"].get("message"))
             if chunk.get("usage"):
                 res.usage_tokens = chunk["usage"].get("completion_tokens")
             choices = chunk.get("choices") or ()
