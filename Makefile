@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo lint typecheck unit timing bench-policies clean vllm-env system-deps lock
+.PHONY: test test-fast demo lint typecheck unit timing bench-policies clean vllm-env system-deps lock soak
 
 # Versions are pinned by requirements.lock (constraints: only what pyproject.toml asks for is
 # installed, at the locked version); `make lock` refreshes it from the venv.
@@ -65,6 +65,14 @@ test: lint typecheck system-deps vllm-env timing unit
 # FCFS vs SageSched through the gateway on an emulated backend (no GPU, no network, < 3 min).
 demo: $(STAMP)
 	$(BIN)/sagesched demo
+
+# The mixed soak (issue 18 part 3, docs/reliability.md): 10 minutes of streamed and plain
+# chat/completions, cancellations, 400s and 429 bursts through a real gateway (sagesched,
+# preempting) on an emulated backend; fails when the gateway's RSS grows >= 5% after the
+# 2-minute warm-up or its open descriptors grow. SOAK_MINUTES shortens it.
+SOAK_MINUTES ?= 10
+soak: $(STAMP)
+	$(BIN)/python bench/soak.py --minutes $(SOAK_MINUTES)
 
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policy_core.py

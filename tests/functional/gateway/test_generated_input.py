@@ -6,6 +6,10 @@ code), every error an OpenAI JSON error object, and schemathesis' own checks (st
 and content types the document declares). At the end the gateway's terminal-state counter
 must equal the requests sent to its counted routes: none lost, none counted twice.
 
+The same run goes against one process (`workers=1`) and against `serve --workers 2` (two
+relay processes sharing the port, one scheduling authority; `/metrics` merged over all of
+them), so the counter check covers the cross-process path too.
+
 `CASES` per operation and mode keeps the run near a minute on two cores (docs/reliability.md).
 """
 
@@ -46,9 +50,12 @@ class Live:
     statuses: dict[int, int] = field(default_factory=dict)
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    logs = tmp_path_factory.mktemp("generated")
+@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
+def live(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Live]:
+    workers: int = request.param
+    logs = tmp_path_factory.mktemp(f"generated-w{workers}")
     backend, port = free_port(), free_port()
     with Children(logs) as kids:
         kids.start("emulate", sagesched("emulate", "--profile", "cpu-tiny-vllm", "--port",
@@ -57,7 +64,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         kids.start("serve", sagesched("serve", "--backend", f"http://127.0.0.1:{backend}",
                                       "--port", str(port), "--api-key", API_KEY,
                                       "--admin-key", ADMIN_KEY, "--max-inflight", "32",
-                                      "--queue-timeout", "30"),
+                                      "--queue-timeout", "30", "--workers", str(workers)),
                    f"http://127.0.0.1:{port}/ready")  # fmt: skip
         yield Live(f"http://127.0.0.1:{port}", logs)
 
