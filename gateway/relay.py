@@ -289,15 +289,7 @@ class Relay:
         if usage is not None:
             self._event(slot, usage[6:].strip(), state)  # held back, read for its counts
         if tokens:
-            now = time.monotonic()
-            trace = slot.job.ctx.trace
-            if trace.first_token is None:
-                trace.first_token = now
-            else:
-                trace.gaps_s.append(now - state.last_token_at)
-            trace.gaps_s.extend([0.0] * (tokens - 1))
-            state.last_token_at = now
-            state.tokens += tokens
+            self._count_token(slot, state, tokens)
             slot.tokens(tokens)
         return (blob + b"\n\n" if keep else b""), done
 
@@ -374,16 +366,18 @@ class Relay:
         log.warning("backend %s broke off %s: %s (%s)", backend, what, message, repr(exc))
         return UpstreamBroken(message)
 
-    def _count_token(self, slot: Slot, state: StreamState) -> None:
-        """Time one token event; the slot hears of it in `_report`, once per read."""
+    def _count_token(self, slot: Slot, state: StreamState, n: int = 1) -> None:
+        """Time `n` token events that came together (the first's gap, then 0 s each); the
+        slot hears of them once per read."""
         now = time.monotonic()
         trace = slot.job.ctx.trace
         if trace.first_token is None:
             trace.first_token = now
         else:
             trace.gaps_s.append(now - state.last_token_at)
+        trace.gaps_s.extend([0.0] * (n - 1))
         state.last_token_at = now
-        state.tokens += 1
+        state.tokens += n
 
     async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
         """Start the client's stream: bounded buffer, bounded wait (`gateway.backpressure`);

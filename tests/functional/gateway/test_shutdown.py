@@ -17,7 +17,6 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +30,6 @@ from predictor.state import read_snapshot_header
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 MODEL = "tiny-llama"
-
-
-@pytest.fixture
-def children(tmp_path: Path) -> Iterator[Children]:
-    with Children(tmp_path / "logs", grace_s=60) as c:
-        yield c
-
-
-@pytest.fixture
-def backend(children: Children) -> str:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    children.start("emulator", sagesched("emulate", "--profile", "cpu-tiny-vllm", "--port",
-                                         str(port)), url + "/health")  # fmt: skip
-    return url
 
 
 def start(children: Children, tmp_path: Path, backend: str, workers: int, text: str,

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +23,6 @@ from loadgen.procs import Children, free_port, sagesched
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ADMIN = {"Authorization": "Bearer adm"}
-
-
-@pytest.fixture
-def children(tmp_path: Path) -> Iterator[Children]:
-    with Children(tmp_path / "logs", grace_s=70) as c:
-        yield c
-
-
-@pytest.fixture
-def backend(children: Children) -> str:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    children.start("emulator", sagesched("emulate", "--profile", "cpu-tiny-vllm", "--port",
-                                         str(port)), url + "/health")  # fmt: skip
-    return url
 
 
 def start_gateway(children: Children, tmp_path: Path, backend: str, workers: int,
