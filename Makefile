@@ -47,12 +47,12 @@ vllm-env: $(STAMP)
 
 # Debian packages the tests and benchmarks run for real: Prometheus (server and promtool),
 # docker-compose (parses the compose files offline), nginx (the lower bound in the gateway
-# overhead benchmark), kubectl (renders the k8s kustomization) and redis-server (the shared
-# learning tests start it). Each tool:package pair is installed when its tool is missing
-# (root); a kubectl from elsewhere (e.g. the Cloud SDK) is kept, since the Debian package
-# would conflict with it.
+# overhead benchmark), kubectl (renders the k8s kustomization), redis-server (the shared
+# learning tests start it) and ip from iproute2 (the fault tests' network namespace). Each
+# tool:package pair is installed when its tool is missing (root); a kubectl from elsewhere
+# (e.g. the Cloud SDK) is kept, since the Debian package would conflict with it.
 SYSTEM_TOOLS := prometheus:prometheus promtool:prometheus nginx:nginx-light \
-	docker-compose:docker-compose kubectl:kubernetes-client redis-server:redis-server
+	docker-compose:docker-compose kubectl:kubernetes-client redis-server:redis-server ip:iproute2
 system-deps:
 	@missing=$$(for tp in $(SYSTEM_TOOLS); do command -v $${tp%%:*} >/dev/null || echo $${tp#*:}; done | sort -u); \
 	if [ -z "$$missing" ]; then :; \

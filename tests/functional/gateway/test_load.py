@@ -51,7 +51,7 @@ def raise_fd_limit(need: int) -> None:
     """The soft descriptor limit up to the hard one (the children inherit it)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < need:
-        pytest.skip(f"hard fd limit {hard} < {need}: cannot hold {STREAMS} streams")
+        pytest.fail(f"hard fd limit {hard} < {need}: cannot hold {STREAMS} streams")
     if soft != resource.RLIM_INFINITY and soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4 * need), hard))
 
