@@ -42,7 +42,7 @@ from gateway.capture import CaptureWriter
 from gateway.classes import CLASS_HEADER
 from gateway.config import GatewayConfig, as_dict
 from gateway.dispatcher import Dispatcher
-from gateway.drain import Drain, KeySource, ShuttingDown, reload_keys
+from gateway.drain import Drain, KeySource, reload_keys
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -50,6 +50,7 @@ from gateway.errors import (
     NotFoundRoute,
     Outcome,
     PayloadTooLarge,
+    ShuttingDown,
     Unauthorized,
     sse_error_event,
 )

@@ -33,7 +33,6 @@ from typing import Any
 import yaml
 
 from gateway.config import ConfigError, GatewayConfig, load
-from gateway.errors import GatewayError, Outcome
 
 log = logging.getLogger("sagesched.gateway")
 
@@ -45,12 +44,6 @@ CUT_MESSAGE = "sagesched: shutting down"
 """The cancellation message of a cut request (tells a cut from a client disconnect)."""
 RELOADED = ("api_keys", "admin_key")
 """Top-level config fields SIGHUP applies (plus `classes.list[*].api_keys`)."""
-
-
-class ShuttingDown(GatewayError):
-    """The gateway stopped before the request finished (its shutdown grace ran out)."""
-
-    status, type, code, outcome = 503, "server_error", "shutting_down", Outcome.SHUTDOWN
 
 
 @dataclass

@@ -154,6 +154,12 @@ class QueueTimeout(GatewayError):
     status, type, code, outcome = 503, "server_error", "queue_timeout", Outcome.QUEUE_TIMEOUT
 
 
+class ShuttingDown(GatewayError):
+    """The gateway stopped before the request finished (its shutdown grace ran out)."""
+
+    status, type, code, outcome = 503, "server_error", "shutting_down", Outcome.SHUTDOWN
+
+
 class NoBackend(GatewayError):
     status, type, code, outcome = 503, "server_error", "no_healthy_backend", Outcome.UPSTREAM_ERROR
 

@@ -12,7 +12,7 @@
   Beyond twice the limit the parser's plain 400 (connection closed) is all a client gets.
 - Slow clients (slowloris): a connection must finish a request's line and headers within
   `header_timeout_s` of opening, or of the first byte of a later request on it
-  (`guarded_runner`: aiohttp's server has no header read timeout of its own; its keep-alive
+  (`GuardedRunner`: aiohttp's server has no header read timeout of its own; its keep-alive
   timer only closes idle connections, and only after `KEEPALIVE_S`). Such a cut is not a
   request: logged at DEBUG and counted in `sagesched_connections_cut_total{reason}`. A body
   must arrive within `body_timeout_s` of its headers (`limits_middleware`): that is a
@@ -205,8 +205,9 @@ class _GuardedServer(web.Server):
 
 
 class GuardedRunner(web.AppRunner):
-    """`web.AppRunner` whose connections have the header deadline, with `server_limits`;
-    cuts are counted in the app's metrics once it has started."""
+    """The gateway's `web.AppRunner` (single process and each worker): connections with the
+    header deadline, `server_limits` (parser limits, keep-alive timeout); `kwargs` as
+    `web.AppRunner`'s. Cuts are counted in the app's metrics once it has started."""
 
     def __init__(self, app: web.Application, config: GatewayConfig, **kwargs: Any) -> None:
         super().__init__(app, **{**server_limits(config), **kwargs})
@@ -227,12 +228,6 @@ class GuardedRunner(web.AppRunner):
             guard=self.guard,
             **plain._kwargs,
         )
-
-
-def guarded_runner(app: web.Application, config: GatewayConfig, **kwargs: Any) -> GuardedRunner:
-    """The gateway's `web.AppRunner` (single process and each worker): the header deadline,
-    the parser limits and the keep-alive timeout; `kwargs` as `web.AppRunner`'s."""
-    return GuardedRunner(app, config, **kwargs)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 `sagesched serve` (one process) and each worker of `serve --workers N` run their app here:
 the main address (and the admin address when `admin_listen` is set) served through
-`security.guarded_runner` (parser limits, header deadline, keep-alive timeout), until `stop`
+`security.GuardedRunner` (parser limits, header deadline, keep-alive timeout), until `stop`
 is set; then `runner.cleanup()` closes the listeners, runs the SIGTERM drain
 (`gateway.drain`, an `on_shutdown` hook) and the app's cleanup (the predictor snapshot).
 aiohttp's `run_app` is not used: it builds its own runner, which cannot carry the header
@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gateway.config import GatewayConfig
 from gateway.drain import CUT_S
-from gateway.security import admin_socket, guarded_runner
+from gateway.security import GuardedRunner, admin_socket
 
 log = logging.getLogger("sagesched.gateway")
 
@@ -39,7 +39,7 @@ async def serve_until(
     processes share the addresses (workers). `ready` is called once both addresses listen."""
     from gateway.app import ADMIN
 
-    runner = guarded_runner(
+    runner = GuardedRunner(
         app, config, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_S
     )
     await runner.setup()

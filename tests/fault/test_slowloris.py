@@ -1,7 +1,7 @@
 """Slowloris (issue 18 part 4): request heads that never finish are cut after
 `header_timeout_s`, bodies after `body_timeout_s`; normal requests are served meanwhile.
 
-A real gateway (`security.guarded_runner`, as `serve` and its workers build it) on a free
+A real gateway (`security.GuardedRunner`, as `serve` and its workers build it) on a free
 port, the emulated backend, and raw client sockets.
 """
 
@@ -23,7 +23,7 @@ from gateway.app import create_app
 from gateway.authority import Authority
 from gateway.config import build
 from gateway.remote import AuthorityLink, create_worker_app
-from gateway.security import GuardedRunner, guarded_runner
+from gateway.security import GuardedRunner
 from predictor import Embedder, LengthPredictor
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -55,7 +55,7 @@ async def gateway(start_emulator: StartEmulator, embedder: Embedder) -> AsyncIte
         "header_timeout_s": HEADER_S, "body_timeout_s": BODY_S,
     })  # fmt: skip
     app = create_app(cfg, predictor=LengthPredictor(embedder=embedder))
-    runner = guarded_runner(app, cfg, handler_cancellation=True, access_log=None)
+    runner = GuardedRunner(app, cfg, handler_cancellation=True, access_log=None)
     await runner.setup()
     await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
     port = int(runner.addresses[0][1])
@@ -176,7 +176,7 @@ async def test_slow_body_gets_408_and_is_counted(gateway: Gateway) -> None:
 async def test_workers_cut_slow_heads_and_count_them_in_the_merged_metrics(
     start_emulator: StartEmulator, embedder: Embedder, tmp_path: Path
 ) -> None:
-    """`serve --workers 2` in process, each worker on `guarded_runner` (as `workers._worker`
+    """`serve --workers 2` in process, each worker on `GuardedRunner` (as `workers._worker`
     builds it): slow heads to both workers are cut in time, a normal request is served, and
     the authority's merged `/metrics` counts every cut once."""
     emu = await start_emulator(time_scale=0.05)
@@ -196,7 +196,7 @@ async def test_workers_cut_slow_heads_and_count_them_in_the_merged_metrics(
             link = await AuthorityLink.connect(path, i, cfg)
             links.append(link)
             app = create_worker_app(cfg, link, predictor=predictor)
-            runner = guarded_runner(app, cfg, handler_cancellation=True, access_log=None)
+            runner = GuardedRunner(app, cfg, handler_cancellation=True, access_log=None)
             await runner.setup()
             await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
             port = int(runner.addresses[0][1])
