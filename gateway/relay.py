@@ -115,7 +115,7 @@ class Relay:
         except GatewayError as exc:
             if state.response is None:
                 raise
-            trace.outcome, trace.status = Outcome.UPSTREAM_BROKEN, 200
+            trace.outcome, trace.status = _after_start(exc), 200
             await _write_quietly(state.response, sse_error_event(exc))
             return state.response
         except ClientGone:
@@ -430,6 +430,21 @@ class _SSEResponse(BoundedStream):
     client, per request). `prepare` comes right before the first write, so nothing waits."""
 
     _send_headers_immediately = False  # aiohttp's own switch (its `Response` sets it too)
+
+
+_OWN_OUTCOMES = frozenset(
+    {Outcome.QUEUE_TIMEOUT, Outcome.QUEUE_FULL, Outcome.SHED, Outcome.SHUTDOWN}
+)
+"""Errors of the gateway's own queue, not of a backend: a stream the gateway preempted that
+then times out in the queue (or is shed, or the gateway stops) ends with them."""
+
+
+def _after_start(error: GatewayError) -> Outcome:
+    """The outcome of a stream that started and then failed with `error`: the queue's own
+    outcome when the gateway ended it (a preempted stream waiting for its continuation: no
+    backend failed), `upstream_broken` for everything else (the backend broke off, or the
+    continuation found no backend or was refused by it)."""
+    return error.outcome if error.outcome in _OWN_OUTCOMES else Outcome.UPSTREAM_BROKEN
 
 
 def _report(slot: Slot, state: StreamState, before: int) -> None:
