@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 import aiohttp
 from aiohttp import web
 
+from gateway import backpressure
 from gateway import passthrough as fwd
 from gateway.backends import BackendPool
 from gateway.capture import CaptureWriter
@@ -303,7 +304,10 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
         if task is not None:
             drain.active.add(task)
         try:
-            return await serve(state, request, trace)
+            response = await serve(state, request, trace)
+            if not response.prepared:  # a whole answer: written here, bounded, then counted
+                await _send_whole(state.config, request, response, trace)
+            return response
         except GatewayError as exc:
             trace.outcome, trace.status = exc.outcome, exc.status
             raise
@@ -327,6 +331,38 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
             settle(state, trace, request.get(JOB))
 
     return handler
+
+
+async def _send_whole(
+    config: GatewayConfig, request: web.Request, response: web.StreamResponse, trace: RequestTrace
+) -> None:
+    """Write a whole (non-streamed) answer before the request is counted, with a stream's
+    bounds (`backpressure.send_whole`): a client that does not take it within
+    `slow_client_timeout_s` is cut and the answer counted `client_too_slow` instead of
+    `completed` (one outcome either way: settling comes after). A client that left meanwhile
+    turns a completion into `cancelled_running`. A request cancelled mid-write has its
+    connection cut (headers and part of a body went out; no clean end can follow) and is
+    counted by the cancellation's cause, as a stream would be (`shutdown` when the drain cut
+    it, else `cancelled_running`): the answer did not reach the client."""
+    try:
+        await backpressure.send_whole(
+            request,
+            response,
+            limit=config.stream_buffer_bytes,
+            timeout_s=config.slow_client_timeout_s,
+        )
+    except backpressure.ClientTooSlow:
+        if trace.outcome is Outcome.COMPLETED:
+            trace.outcome = Outcome.CLIENT_TOO_SLOW
+        backpressure.cut(request)
+    except ConnectionResetError:
+        if trace.outcome is Outcome.COMPLETED:
+            trace.outcome, trace.status = Outcome.CANCELLED_RUNNING, 499
+    except asyncio.CancelledError:
+        if trace.outcome is Outcome.COMPLETED:
+            trace.outcome = None
+        backpressure.cut(request)
+        raise
 
 
 async def _cut(request: web.Request, trace: RequestTrace) -> web.StreamResponse:

@@ -93,6 +93,35 @@ class BoundedStream(web.StreamResponse):
             raise ClientTooSlow(f"the client read nothing for {self._timeout_s:g} s") from None
 
 
+async def send_whole(
+    request: web.BaseRequest, response: web.StreamResponse, *, limit: int, timeout_s: float
+) -> None:
+    """Write a whole answer (a `web.Response` its handler built) now, under the same bounds
+    as a stream: the connection's write buffer limit and kernel send buffer capped at
+    `limit`, and at most `timeout_s` waiting for the client to take it, else `ClientTooSlow`
+    (the caller counts it and `cut`s the connection). aiohttp would otherwise write it after
+    the handler returned, waiting as long as the client likes with the answer's bytes held.
+    One timer per answer; nothing waits unless the client's buffers are full."""
+    transport = request.transport
+    if transport is not None:
+        transport.set_write_buffer_limits(high=limit)
+        _limit_kernel_buffer(transport, limit)
+    await response.prepare(request)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.write_eof()
+    except TimeoutError:
+        raise ClientTooSlow(f"the client read nothing for {timeout_s:g} s") from None
+
+
+def cut(request: web.BaseRequest) -> None:
+    """Close a request's connection now, dropping what is buffered (`BoundedStream.cut` for
+    an answer written by `send_whole`)."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
 def _limit_kernel_buffer(transport: asyncio.Transport, limit: int) -> None:
     """Cap the socket's kernel send buffer too (Linux doubles the value). Left alone, it
     autotunes up to `net.ipv4.tcp_wmem`'s maximum (4 MiB by default; 2.8 MB measured on

@@ -10,6 +10,7 @@ import asyncio
 import json
 import socket
 import statistics
+import struct
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +22,8 @@ from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
 from fixtures.scrape import scrape, total
+
+from gateway.app import DRAIN
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -237,3 +240,174 @@ async def test_passthrough_stream_slow_reader_is_cut_and_upstream_closed(
     assert received is None or len(received) < 1_000_000  # cut, not the whole ~4 MB
     assert total(samples, "sagesched_requests_total", outcome="client_too_slow") == 1
     assert total(samples, "sagesched_requests_total") == 1
+
+
+BIG = 4_000_000
+"""Bytes of the whole answers below: far more than the socket buffers (client SO_RCVBUF
+4 KiB, the gateway's send buffer capped at 2 × LIMIT) can hold."""
+
+
+@asynccontextmanager
+async def whole_answer_backend() -> AsyncIterator[str]:
+    """A backend answering a non-streamed chat completion of `BIG` bytes (any other prompt
+    than "big": a short one), and a passthrough route `/v1/big` of `BIG` bytes."""
+
+    def answer(content: str) -> dict[str, Any]:
+        return {
+            "id": "c",
+            "object": "chat.completion",
+            "model": "tiny-llama",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+        }
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path in ("/health", "/metrics"):
+            return web.json_response({})
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
+        if request.path == "/v1/big":
+            return web.Response(body=b"x" * BIG, content_type="application/octet-stream")
+        body = await request.json()
+        big = body["messages"][0]["content"] == "big"
+        return web.json_response(answer("y" * BIG if big else "yes"))
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def counted(gw: RunningGateway, outcome: str) -> float:
+    return total(await scrape(gw.url + "/metrics"), "sagesched_requests_total", outcome=outcome)
+
+
+@pytest.mark.parametrize("route", ["chat", "passthrough"])
+async def test_whole_answer_never_read_is_cut_once_and_others_served(
+    route: str, start_gateway: StartGateway
+) -> None:
+    """A non-streamed answer far larger than the socket buffers, to a client that reads
+    nothing: the gateway's write waits at most `slow_client_timeout_s`, then the connection
+    is cut, the request counted once (`client_too_slow`, not `completed`) and its connection,
+    buffer and tasks are gone. Meanwhile (one backend slot, already free) a normal request
+    is served. Both the queued route and a passthrough route."""
+    timeout_s = 2.0
+    async with whole_answer_backend() as url:
+        gw = await start_gateway(
+            [{"url": url, "max_inflight": 1}], policy="fcfs",
+            stream_buffer_bytes=LIMIT, slow_client_timeout_s=timeout_s,
+        )  # fmt: skip
+        big = {"model": "tiny-llama", "messages": [{"role": "user", "content": "big"}]}
+        small = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+        path = "/v1/chat/completions" if route == "chat" else "/v1/big"
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", json=small) as r:  # warm up
+                assert r.status == 200
+            tasks_before = len(asyncio.all_tasks())
+            started = time.monotonic()
+            async with slow_reader(gw.url, big, path=path) as sock:
+                # the gateway is writing the answer: its connection's buffer holds the rest
+                await until(lambda: buffered(gw) > 0, 10)
+                held = buffered(gw)
+                async with s.post(gw.url + "/v1/chat/completions", json=small) as r:
+                    assert r.status == 200
+                    assert (await r.json())["choices"][0]["message"]["content"] == "yes"
+                served_beside = time.monotonic() - started
+                assert await counted(gw, "client_too_slow") == 0  # still waiting for it
+                while await counted(gw, "client_too_slow") == 0:
+                    assert time.monotonic() - started < timeout_s + 8, "never cut"
+                    await asyncio.sleep(0.02)
+                cut_after = time.monotonic() - started
+                await until(lambda: buffered(gw) == 0, 5)
+                received = await read_to_end(sock)
+            await until(lambda: len(gw.runner.server.connections) <= 1, 5)  # type: ignore[union-attr]
+            tasks_after = len(asyncio.all_tasks())
+        samples = await scrape(gw.url + "/metrics")
+    print(
+        f"{route}: {BIG - held} bytes taken by the kernel, {held} buffered, other request "
+        f"served after {served_beside:.2f} s, cut after {cut_after:.2f} s"
+    )
+    requests = "sagesched_requests_total"
+    assert total(samples, requests, outcome="client_too_slow", code="200") == 1
+    assert total(samples, requests, outcome="completed") == 2  # the two small ones
+    assert total(samples, requests) == 3
+    assert timeout_s <= cut_after < timeout_s + 4, cut_after
+    assert served_beside < timeout_s, served_beside
+    assert BIG - held < 1_000_000, held  # capped kernel buffers: most of it stayed here
+    assert received is None or len(received) < BIG // 2  # cut, not delivered
+    assert tasks_after <= tasks_before
+    assert gw.state.pool.backends[0].inflight == 0
+
+
+async def test_whole_answer_client_leaving_mid_write_is_counted_once(
+    start_gateway: StartGateway,
+) -> None:
+    """A client that closes its socket while the gateway still writes its whole answer (the
+    bounded wait far off: 60 s) ends the write at once; the request is counted once,
+    `cancelled_running` (the answer did not reach it), and nothing of it stays."""
+    async with whole_answer_backend() as url:
+        gw = await start_gateway(
+            [{"url": url, "max_inflight": 1}], policy="fcfs",
+            stream_buffer_bytes=LIMIT, slow_client_timeout_s=60.0,
+        )  # fmt: skip
+        big = {"model": "tiny-llama", "messages": [{"role": "user", "content": "big"}]}
+        small = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+        async with (  # warm up: the upstream connection
+            aiohttp.ClientSession() as s,
+            s.post(gw.url + "/v1/chat/completions", json=small) as r,
+        ):
+            assert r.status == 200
+        await until(lambda: not gw.runner.server.connections, 5)  # type: ignore[union-attr]
+        tasks_before = len(asyncio.all_tasks())
+        async with slow_reader(gw.url, big) as sock:
+            await until(lambda: buffered(gw) > 0, 10)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        left = time.monotonic()  # closed with unread data and linger 0: a reset
+        while await counted(gw, "cancelled_running") == 0:
+            assert time.monotonic() - left < 10, "the write never noticed the client left"
+            await asyncio.sleep(0.02)
+        noticed_after = time.monotonic() - left
+        await until(lambda: not gw.runner.server.connections, 5)  # type: ignore[union-attr]
+        tasks_after = len(asyncio.all_tasks())
+        samples = await scrape(gw.url + "/metrics")
+    print(f"client gone noticed after {noticed_after:.2f} s")
+    requests = "sagesched_requests_total"
+    assert total(samples, requests, outcome="cancelled_running", code="499") == 1
+    assert total(samples, requests) == 2  # and the warm-up, completed
+    assert tasks_after <= tasks_before
+
+
+async def test_whole_answer_cut_by_the_shutdown_mid_write_is_counted_shutdown(
+    start_gateway: StartGateway,
+) -> None:
+    """The drain's grace runs out while the gateway still writes a whole answer to a client
+    that reads nothing (bounded wait 60 s, far off): the write is cut at once, the client's
+    connection closed, and the request counted once, `shutdown` (code 503), as a stream cut
+    by the shutdown is."""
+    async with whole_answer_backend() as url:
+        gw = await start_gateway(
+            [{"url": url, "max_inflight": 1}], policy="fcfs",
+            stream_buffer_bytes=LIMIT, slow_client_timeout_s=60.0,
+        )  # fmt: skip
+        big = {"model": "tiny-llama", "messages": [{"role": "user", "content": "big"}]}
+        async with slow_reader(gw.url, big) as sock:
+            await until(lambda: buffered(gw) > 0, 10)
+            grace_s, started = 0.2, time.monotonic()
+            finished, cut = await gw.app[DRAIN].run(grace_s)
+            drained_after = time.monotonic() - started
+            await until(lambda: not gw.runner.server.connections, 5)  # type: ignore[union-attr]
+            received = await read_to_end(sock)
+        samples = await scrape(gw.url + "/metrics")
+    print(f"drain with a whole answer mid-write: {drained_after:.2f} s")
+    assert (finished, cut) == (0, 1)
+    assert drained_after < grace_s + 2, drained_after
+    assert received is None or len(received) < BIG // 2
+    requests = "sagesched_requests_total"
+    assert total(samples, requests, outcome="shutdown", code="503") == 1
+    assert total(samples, requests) == 1
