@@ -176,6 +176,7 @@ async def test_preempted_stream_timing_out_in_the_queue_counts_queue_timeout(
         )
         samples = await scrape(gw.url + "/metrics")
         events = list(backend.events)
+    print(f"preempted stream ended {ended_after:.2f} s after the preemption")
     tokens = [p for p in long_payloads if p.startswith(b'{"choices"')]
     assert [json.loads(p)["choices"][0]["text"] for p in tokens] == [f"w{i} " for i in range(5)]
     error = json.loads(long_payloads[-2])["error"]
