@@ -165,8 +165,10 @@ async def relay_bytes(
         trace.outcome = Outcome.CLIENT_TOO_SLOW
         resp.close()  # the backend aborts the request
         out.cut()
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("passthrough stream broken off: %s", repr(exc))
         trace.outcome = Outcome.UPSTREAM_BROKEN
+        out.cut()  # bytes as they came: no clean end after a truncated stream
     return out
 
 

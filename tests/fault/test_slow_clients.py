@@ -242,6 +242,54 @@ async def test_passthrough_stream_slow_reader_is_cut_and_upstream_closed(
     assert total(samples, "sagesched_requests_total") == 1
 
 
+async def test_passthrough_stream_broken_by_the_backend_is_cut_not_ended(
+    start_gateway: StartGateway,
+) -> None:
+    """A passthrough stream the backend breaks off mid-way reaches the client as a broken
+    connection (the bytes are relayed as they came, so no clean end may follow a truncated
+    stream), counted `upstream_broken` once; the next request is served."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path in ("/health", "/metrics"):
+            return web.json_response({})
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
+        if request.path == "/v1/ok":
+            return web.json_response({"ok": True})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: a\n\n")
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()  # the backend goes away mid-stream
+        return resp
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        gw = await start_gateway([{"url": f"http://127.0.0.1:{port}"}], policy="fcfs")
+        received = b""
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with s.post(gw.url + "/v1/stream", json={"model": "tiny-llama"}) as r:
+                    assert r.status == 200
+                    async for chunk in r.content.iter_any():
+                        received += chunk
+            async with s.post(gw.url + "/v1/ok", json={"model": "tiny-llama"}) as r:
+                assert r.status == 200
+        samples = await scrape(gw.url + "/metrics")
+    finally:
+        await runner.cleanup()
+    assert received == b"data: a\n\n"
+    assert total(samples, "sagesched_requests_total", outcome="upstream_broken") == 1
+    assert total(samples, "sagesched_requests_total") == 2
+
+
 BIG = 4_000_000
 """Bytes of the whole answers below: far more than the socket buffers (client SO_RCVBUF
 4 KiB, the gateway's send buffer capped at 2 × LIMIT) can hold."""
