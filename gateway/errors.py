@@ -26,20 +26,23 @@ class Outcome(enum.StrEnum):
     SHED = "shed"
     """Refused or evicted from the full queue to make room for a more urgent class (429)."""
     QUEUE_TIMEOUT = "queue_timeout"
-    """Waited longer than the queue timeout (503)."""
+    """Waited longer than the queue timeout (503; 200 with an SSE error event for a stream the
+    gateway preempted that then waited too long for its continuation)."""
     CANCELLED_WAITING = "cancelled_waiting"
     """The client went away while the request was queued."""
     CANCELLED_RUNNING = "cancelled_running"
     """The client went away while the answer was being generated."""
     CLIENT_TOO_SLOW = "client_too_slow"
-    """The client read the stream too slowly: the gateway cut it (`slow_client_timeout_s`)."""
+    """The client read the stream, or a whole answer, too slowly: the gateway cut it
+    (`slow_client_timeout_s`)."""
     SHUTDOWN = "shutdown"
     """Cut by the gateway's own shutdown: still unfinished when `shutdown_grace_s` ran out
     (503; a started stream ends with a `shutting_down` SSE error event)."""
     UPSTREAM_ERROR = "upstream_error"
     """The backend answered with an error, or failed before the first byte on every try."""
     UPSTREAM_BROKEN = "upstream_broken"
-    """The backend failed after the answer had started (SSE error event sent)."""
+    """The backend failed after the answer had started (SSE error event sent; a passthrough
+    stream, relayed byte for byte, is cut instead)."""
     INTERNAL_ERROR = "internal_error"
     """A bug in the gateway; logged with a traceback."""
 
