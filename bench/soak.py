@@ -8,6 +8,12 @@ streamed chats the client abandons after a few tokens, bad requests (400), and e
 `--burst-every` seconds a burst of twice the queue bound at once (429s). Policy `sagesched`
 preempting by its index (`POLICY`), fixed backend cap.
 
+Warm start: the gateway loads a predictor snapshot whose history (`HISTORY_ITEMS`) and
+learners' rings are full, and the warm-up begins with every prompt sent once as a chat and
+once as a completion (one token each): the bounded structures that fill per completion or per
+distinct prompt are full before the first checkpoint, so growth after it is a leak, not a
+ring filling up (docs/reliability.md, "The SageSched soak's RSS").
+
 Measured: every `--sample-s` seconds the gateway's RSS and open descriptors (`/proc`), and
 the CPU seconds of the gateway, the emulator and the client; a table per minute. Pass/fail is
 judged at two idle checkpoints, after the warm-up and at the end, each reached by letting
@@ -28,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +51,7 @@ from typing import Any
 import aiohttp
 
 from loadgen import stress
+from loadgen.emulator.tokens import natural_output_tokens
 from loadgen.procs import Children, free_port, sagesched
 from loadgen.procstat import cpu_s, fd_count, rss_kb, socket_remote_ports
 
@@ -62,6 +71,14 @@ full, and long answers, preempted again and again by the index rule, waited past
 timeout after they had started (a starved request ends as an SSE error, `upstream_broken`)."""
 CAPACITY = 8
 PROMPTS = 300
+HISTORY_ITEMS = 4096
+"""The predictor's history bound in the soak. The gateway starts from a snapshot in which
+this history, and the learners' rings (4,000 items), are already full, as a production
+gateway restarting from its snapshot is; the soak then measures growth past the bounds
+(leaks), not the bounded rings filling, which at the default bound (100,000 items) goes on
+for ~100,000 completions (~220 MB per served model; docs/reliability.md)."""
+WARM_ITEMS = 5000
+MODEL = "tiny-llama"
 MIX = {  # kind: weight
     "chat-stream": 35,
     "chat": 20,
@@ -95,8 +112,42 @@ def prompt_pool(seed: int) -> list[str]:
     ]
 
 
+def warm_snapshot(path: Path, prompts: list[str], seed: int) -> None:
+    """A predictor snapshot for `MODEL` with `WARM_ITEMS` completions of the soak's prompts
+    (their emulated natural lengths) in a `HISTORY_ITEMS` history: its rings full."""
+    rng = random.Random(seed)
+    records = path.with_suffix(".jsonl")
+    with records.open("w") as f:
+        for _ in range(WARM_ITEMS):
+            text = rng.choice(prompts)
+            f.write(json.dumps({"prompt": text, "output_tokens": natural_output_tokens(text)}))
+            f.write("\n")
+    subprocess.run(sagesched("predictor", "warm", "--from", str(records), "--out", str(path),
+                             "--model", MODEL, "--set", f"capacity_items={HISTORY_ITEMS}"),
+                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+async def prime(base: str, prompts: list[str], tally: Tally) -> None:
+    """Every prompt once as a chat and once as a completion, one token each, before the
+    warm-up's load: what the gateway keeps per distinct prompt (its embedding cache, the
+    embedder's shapes) is then filled before the first checkpoint, however the load's random
+    draws fall."""
+    rng = random.Random(0)
+    gate = asyncio.Semaphore(CAPACITY)
+    s: aiohttp.ClientSession
+
+    async def one_token(kind: str, text: str) -> None:
+        async with gate:
+            await one(s, base, kind, text, rng, tally, max_tokens=1)
+
+    async with stress.session(timeout_s=300) as s:
+        await asyncio.gather(
+            *(one_token(kind, text) for text in prompts for kind in ("chat", "completion"))
+        )
+
+
 def make_request(
-    kind: str, text: str, rng: random.Random
+    kind: str, text: str, rng: random.Random, max_tokens: int = 512
 ) -> tuple[str, dict[str, Any], int | None]:
     """(path, body, cancel_after) of one request of `kind`."""
     if kind == "bad":
@@ -111,12 +162,13 @@ def make_request(
     stream = kind.endswith("stream") or kind == "cancel"
     usage = {"stream_options": {"include_usage": True}} if stream else {}
     if kind.startswith("completion"):
-        body = {"model": "tiny-llama", "prompt": text, "max_tokens": 512, "stream": stream, **usage}
+        body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "stream": stream,
+                **usage}  # fmt: skip
         return "/v1/completions", body, None
     body = {
         "model": "tiny-llama",
         "messages": [{"role": "user", "content": text}],
-        "max_tokens": 512,
+        "max_tokens": max_tokens,
         "stream": stream,
         **usage,
     }
@@ -129,9 +181,10 @@ def streamed_short(res: stress.Result, stream: bool) -> bool:
 
 
 async def one(
-    s: aiohttp.ClientSession, base: str, kind: str, text: str, rng: random.Random, tally: Tally
-) -> None:
-    path, body, cancel_after = make_request(kind, text, rng)
+    s: aiohttp.ClientSession, base: str, kind: str, text: str, rng: random.Random, tally: Tally,
+    max_tokens: int = 512,
+) -> None:  # fmt: skip
+    path, body, cancel_after = make_request(kind, text, rng, max_tokens)
     tally.sent += 1
     tally.kinds[kind] += 1
     tally.minute["sent"] += 1
@@ -269,6 +322,9 @@ def main() -> int:
     tally = Tally()
     backend, port = free_port(), free_port()
     base = f"http://127.0.0.1:{port}"
+    logs.mkdir(parents=True, exist_ok=True)
+    snapshot = logs / "predictor.npz"
+    warm_snapshot(snapshot, prompts, args.seed)
     with Children(logs) as kids:
         emu = kids.start("emulate", sagesched("emulate", "--profile", "cpu-tiny-vllm",
                                               "--port", str(backend), "--time-scale", "2",
@@ -279,7 +335,8 @@ def main() -> int:
                                            "--preemption", "--no-adaptive-cap",
                                            "--max-inflight", str(CAPACITY),
                                            "--max-waiting", str(MAX_WAITING),
-                                           "--queue-timeout", "300"),
+                                           "--queue-timeout", "300",
+                                           "--predictor-snapshot", str(snapshot)),
                         f"{base}/ready")  # fmt: skip
         pids = {"gateway": gw.pid, "emulator": emu.pid}
         rows: list[dict[str, Any]] = []
@@ -312,12 +369,14 @@ def main() -> int:
                 peak["fds"] = max(peak["fds"], fd_count(gw.pid))
                 await asyncio.sleep(SAMPLE_S)
 
-        async def phase(name: str, seconds: float, seed: int) -> None:
+        async def phase(name: str, seconds: float, seed: int, primed: bool = False) -> None:
             nonlocal load_wall
             stop = asyncio.Event()
             sampling = asyncio.create_task(sampler(stop))
             start = {"t": time.monotonic(), **cpu_now()}
             last = dict(start)
+            if primed:
+                await prime(base, prompts, tally)
             await load(base, seconds, args.rate, args.burst_every, seed, prompts, tally,
                        lambda: on_minute(name, last))  # fmt: skip
             stop.set()
@@ -325,7 +384,7 @@ def main() -> int:
             load_wall += last["t"] - start["t"]
             load_cpu.update({k: last[k] - start[k] for k in pids.keys() | {"client"}})
 
-        asyncio.run(phase("warm-up", args.warmup_minutes * 60, args.seed))
+        asyncio.run(phase("warm-up", args.warmup_minutes * 60, args.seed, primed=True))
         first = checkpoint("after warm-up", gw.pid, backend)
         asyncio.run(phase("soak", (args.minutes - args.warmup_minutes) * 60, args.seed + 1))
         got = wait_counted(base, tally.sent)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from gateway import shared_learning
+from gateway import memory, shared_learning
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher, Ticket
 from gateway.prompts import PromptCounter
@@ -107,7 +107,7 @@ class Prediction:
             return
         path = self._config.predictor.snapshot_path
         if path:
-            await asyncio.to_thread(predictor.save, path)
+            await asyncio.to_thread(_save, predictor, path)
         # The async embedder is bound to this loop; a shared predictor makes a new one lazily.
         with contextlib.suppress(Exception):
             await predictor.aclose()
@@ -118,7 +118,7 @@ class Prediction:
         while True:
             await asyncio.sleep(settings.save_interval_s)
             if self.predictor is not None:
-                save = asyncio.to_thread(self.predictor.save, settings.snapshot_path)
+                save = asyncio.to_thread(_save, self.predictor, settings.snapshot_path)
                 self._saving = asyncio.ensure_future(save)
                 await asyncio.shield(self._saving)
 
@@ -262,3 +262,11 @@ def _load(config: GatewayConfig) -> LengthPredictor:
         n = predictor.warm_start(settings.warm_start_jsonl)
         log.info("predictor: warm start learned %d requests", n)
     return predictor
+
+
+def _save(predictor: LengthPredictor, path: str) -> None:
+    """A periodic snapshot, then its temporary buffers' pages given back to the system
+    (`memory.release_free_memory`): else each save's high-water mark stays in the heap as RSS
+    (+18 MB for a 4,096-item history, docs/reliability.md)."""
+    predictor.save(path)
+    memory.release_free_memory()

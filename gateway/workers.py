@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from gateway import memory
 from gateway.config import GatewayConfig
 from gateway.drain import CUT_S, KeySource
 
@@ -73,7 +74,9 @@ def serve(config: GatewayConfig, source: KeySource | None = None) -> int:
 
 
 def event_loop() -> asyncio.Runner:
-    """The loop a served process runs on: uvloop when it is installed."""
+    """The loop a served process runs on: uvloop when it is installed. Caps the process's
+    malloc arenas first (`memory.limit_malloc_arenas`), before any thread starts."""
+    memory.limit_malloc_arenas()
     try:
         import uvloop
     except ImportError:

@@ -73,6 +73,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     wm.add_argument("--from", dest="source", required=True, type=Path)
     wm.add_argument("--out", required=True, type=Path, help="snapshot file to write")
     wm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    wm.add_argument(
+        "--model", default=None, help="learn into this served model's own state (default: shared)"
+    )
     return parser
 
 
@@ -148,7 +151,7 @@ def _warm(args: argparse.Namespace) -> int:
     from predictor.model import LengthPredictor
 
     model = LengthPredictor(_config(args.set))
-    added = model.warm_start(args.source)
+    added = model.warm_start(args.source, model=args.model)
     model.save(args.out)
     print(f"learned {added} records; snapshot written to {args.out}")
     return 0

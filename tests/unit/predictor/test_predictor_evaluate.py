@@ -132,3 +132,16 @@ def test_warm_cli_writes_a_loadable_snapshot(tmp_path: Path) -> None:
     model = LengthPredictor.load(snap)
     assert len(model.index) == 5 and model.index.capacity == 50
     assert model.predict("Say hi to f.").quantile(0.5) < 20
+
+
+def test_warm_cli_into_a_models_own_state(tmp_path: Path) -> None:
+    src = tmp_path / "warm.jsonl"
+    rows = [{"prompt": f"Say hi to {n}.", "output_tokens": 5 + i} for i, n in enumerate("abcde")]
+    src.write_text("\n".join(json.dumps(r) for r in rows))
+    snap = tmp_path / "history.npz"
+    argv = ["predictor", "warm", "--from", str(src), "--out", str(snap), "--model", "tiny-llama"]
+    assert sagesched_cli.main(argv) == 0
+    model = LengthPredictor.load(snap)
+    assert model.models() == ["", "tiny-llama"]
+    assert len(model.index) == 0  # the shared (default) state learned nothing
+    assert len(model.own_state("tiny-llama").index) == 5
