@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
+from fixtures.route_backends import route_backend
 from fixtures.scrape import scrape, total
 
 from gateway.app import DRAIN
@@ -200,10 +201,6 @@ async def test_passthrough_stream_slow_reader_is_cut_and_upstream_closed(
     upstream_gone = asyncio.Event()
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        if request.path in ("/health", "/metrics"):
-            return web.json_response({})
-        if request.path == "/v1/models":
-            return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
@@ -215,16 +212,9 @@ async def test_passthrough_stream_slow_reader_is_cut_and_upstream_closed(
             raise
         return resp
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with route_backend(handle) as url:
         gw = await start_gateway(
-            [{"url": f"http://127.0.0.1:{port}", "max_inflight": 4}], policy="fcfs",
+            [{"url": url, "max_inflight": 4}], policy="fcfs",
             stream_buffer_bytes=LIMIT, slow_client_timeout_s=1.0,
         )  # fmt: skip
         started = time.monotonic()
@@ -233,8 +223,6 @@ async def test_passthrough_stream_slow_reader_is_cut_and_upstream_closed(
             cut_after = time.monotonic() - started
             received = await read_to_end(sock)
         samples = await scrape(gw.url + "/metrics")
-    finally:
-        await runner.cleanup()
     print(f"passthrough slow reader cut after {cut_after:.2f} s")
     assert 1.0 <= cut_after <= 5.0, cut_after
     assert received is None or len(received) < 1_000_000  # cut, not the whole ~4 MB
@@ -250,10 +238,6 @@ async def test_passthrough_stream_broken_by_the_backend_is_cut_not_ended(
     stream), counted `upstream_broken` once; the next request is served."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        if request.path in ("/health", "/metrics"):
-            return web.json_response({})
-        if request.path == "/v1/models":
-            return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
         if request.path == "/v1/ok":
             return web.json_response({"ok": True})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -264,15 +248,8 @@ async def test_passthrough_stream_broken_by_the_backend_is_cut_not_ended(
         request.transport.abort()  # the backend goes away mid-stream
         return resp
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        gw = await start_gateway([{"url": f"http://127.0.0.1:{port}"}], policy="fcfs")
+    async with route_backend(handle) as url:
+        gw = await start_gateway([{"url": url}], policy="fcfs")
         received = b""
         async with aiohttp.ClientSession() as s:
             with pytest.raises(aiohttp.ClientPayloadError):
@@ -283,8 +260,6 @@ async def test_passthrough_stream_broken_by_the_backend_is_cut_not_ended(
             async with s.post(gw.url + "/v1/ok", json={"model": "tiny-llama"}) as r:
                 assert r.status == 200
         samples = await scrape(gw.url + "/metrics")
-    finally:
-        await runner.cleanup()
     assert received == b"data: a\n\n"
     assert total(samples, "sagesched_requests_total", outcome="upstream_broken") == 1
     assert total(samples, "sagesched_requests_total") == 2
@@ -310,26 +285,14 @@ async def whole_answer_backend() -> AsyncIterator[str]:
         }
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        if request.path in ("/health", "/metrics"):
-            return web.json_response({})
-        if request.path == "/v1/models":
-            return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
         if request.path == "/v1/big":
             return web.Response(body=b"x" * BIG, content_type="application/octet-stream")
         body = await request.json()
         big = body["messages"][0]["content"] == "big"
         return web.json_response(answer("y" * BIG if big else "yes"))
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with route_backend(handle) as url:
+        yield url
 
 
 async def counted(gw: RunningGateway, outcome: str) -> float:

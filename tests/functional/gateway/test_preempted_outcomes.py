@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
+from fixtures.route_backends import route_backend
 from fixtures.scrape import scrape, total
 
 from predictor import Embedder, LengthPredictor
@@ -78,27 +79,13 @@ class HoldingBackend:
 @asynccontextmanager
 async def holding_backend(fail_continuation: bool) -> AsyncIterator[HoldingBackend]:
     backend = HoldingBackend(fail_continuation=fail_continuation)
-
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({})
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", backend.completions)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    backend.url = f"http://127.0.0.1:{int(runner.addresses[0][1])}"
-    try:
-        yield backend
-    finally:
-        backend.release.set()
-        await runner.cleanup()
+    async with route_backend(
+        backend.completions, only="/v1/completions", handler_cancellation=True
+    ) as backend.url:
+        try:
+            yield backend
+        finally:
+            backend.release.set()
 
 
 async def preempting_gateway(

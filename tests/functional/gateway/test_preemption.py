@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
+from fixtures.route_backends import Handler, route_backend
 from fixtures.scrape import scrape, total
 
 from predictor import Embedder, LengthPredictor
@@ -129,7 +130,7 @@ async def test_resumed_answer_is_the_uninterrupted_one(
     assert total(samples, "sagesched_preemptions_total") == 1
 
 
-async def stalling_backend() -> tuple[str, web.AppRunner, list[str]]:
+def stalling_backend() -> tuple[Handler, list[str]]:
     """A completions backend whose first answer to LONG streams 5 tokens and then sends
     nothing (a request stalled in vLLM); a continuation and SHORT stream to the end. Records
     `aborted` when a request's connection is closed under it."""
@@ -156,21 +157,7 @@ async def stalling_backend() -> tuple[str, web.AppRunner, list[str]]:
         await resp.write_eof()
         return resp
 
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({})
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny-llama"}]})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return f"http://127.0.0.1:{int(runner.addresses[0][1])}", runner, events
+    return completions, events
 
 
 async def test_a_stream_stalled_in_the_backend_is_preempted(
@@ -180,8 +167,8 @@ async def test_a_stream_stalled_in_the_backend_is_preempted(
     that streams), closes it upstream and resumes it as a continuation."""
     predictor = LengthPredictor(embedder=embedder)
     predictor.observe_many([LONG, SHORT], [1500, 3])
-    url, runner, events = await stalling_backend()
-    try:
+    completions, events = stalling_backend()
+    async with route_backend(completions, only="/v1/completions", handler_cancellation=True) as url:
         gw = await start_gateway(
             [{"url": url, "max_inflight": 1}],
             policy="sagesched",
@@ -206,5 +193,3 @@ async def test_a_stream_stalled_in_the_backend_is_preempted(
         samples = await scrape(gw.url + "/metrics")
         assert total(samples, "sagesched_preemptions_total") == 1
         assert total(samples, "sagesched_requests_total", outcome="completed") == 2
-    finally:
-        await runner.cleanup()
