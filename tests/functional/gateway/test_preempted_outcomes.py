@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
-from fixtures.route_backends import route_backend
+from fixtures.route_backends import route_backend, write_words
 from fixtures.scrape import scrape, total
 
 from predictor import Embedder, LengthPredictor
@@ -59,21 +59,7 @@ class HoldingBackend:
             self.events.append("short")
             await self.release.wait()
         n = 5 if prompt == LONG else body["max_tokens"]
-        for i in range(n):
-            chunk = {"choices": [{"index": 0, "text": f"w{i} ", "finish_reason": None}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        if prompt == LONG:
-            self.events.append("stalled")
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.events.append("aborted")
-                raise
-        usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
-        last = json.dumps({"choices": [], "usage": usage}, separators=(",", ":"))
-        await resp.write(b"data: " + last.encode() + b"\n\ndata: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await write_words(resp, n, self.events, stall=prompt == LONG)
 
 
 @asynccontextmanager

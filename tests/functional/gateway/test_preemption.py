@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
-from fixtures.route_backends import Handler, route_backend
+from fixtures.route_backends import Handler, route_backend, write_words
 from fixtures.scrape import scrape, total
 
 from predictor import Embedder, LengthPredictor
@@ -141,21 +141,7 @@ def stalling_backend() -> tuple[Handler, list[str]]:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = 5 if body["prompt"] == LONG else body["max_tokens"]
-        for i in range(n):
-            chunk = {"choices": [{"index": 0, "text": f"w{i} ", "finish_reason": None}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        if body["prompt"] == LONG:
-            events.append("stalled")
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                events.append("aborted")
-                raise
-        usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
-        last = json.dumps({"choices": [], "usage": usage}, separators=(",", ":"))
-        await resp.write(b"data: " + last.encode() + b"\n\ndata: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await write_words(resp, n, events, stall=body["prompt"] == LONG)
 
     return completions, events
 
