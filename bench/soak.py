@@ -58,11 +58,8 @@ from loadgen.procstat import cpu_s, fd_count, rss_kb, socket_remote_ports
 
 KEEPALIVE_S = 60
 """The gateway's upstream connector keeps idle connections this long (`gateway/app.py`)."""
-SETTLE_S = 35.0
-"""A checkpoint's settled window: longer than the gateway's 30 s give-back interval
-(`gateway.memory.GIVE_BACK_S`), so it holds a reading taken after freed heap pages went
-back to the system (without that, two idle readings differed by up to 6 %)."""
-SETTLE_MAX_S = 90.0
+SETTLE_S = 10.0
+SETTLE_MAX_S = 60.0
 POLICY = "sagesched:preempt_rule=index"
 """SageSched preempting whenever its index says so: its default rule (`pays`) almost never
 preempts at a cap of 8 with a queue (docs/policies.md), and the soak must exercise the
@@ -287,9 +284,9 @@ def checkpoint(name: str, pid: int, backend_port: int) -> Checkpoint:
     count of descriptors other than the upstream pool has not changed for `SETTLE_S` (at
     most `SETTLE_MAX_S`). The pool (kept `KEEPALIVE_S`, closed on aiohttp's cleanup tick, so
     up to twice that) is counted apart, from the sockets' peers, instead of waited out. RSS
-    is the lowest read while waiting, a wait that holds a give-back (`SETTLE_S`): free
-    heap pages and a periodic snapshot save landing in the window (~18 MB for a second or
-    two) are not growth; a leak raises every reading."""
+    is the lowest read over that settled window: a periodic snapshot save landing in it
+    holds ~18 MB for a second or two before giving it back, which is not growth (a leak
+    raises every reading)."""
 
     def read() -> Checkpoint:
         upstream = socket_remote_ports(pid).count(backend_port)
@@ -302,8 +299,8 @@ def checkpoint(name: str, pid: int, backend_port: int) -> Checkpoint:
         time.sleep(1.0)
         now = read()
         if now.own != last.own:
-            since = time.monotonic()
-        low = min(low, now.rss_kb)  # over the whole wait: before idle RSS is higher, not lower
+            since, low = time.monotonic(), now.rss_kb
+        low = min(low, now.rss_kb)
         last = now
     return dataclasses.replace(last, rss_kb=low)
 

@@ -2,15 +2,12 @@
 
 Measured in the mixed soak (docs/reliability.md, "The SageSched soak's RSS"): with the
 predictor on the path the process's RSS levelled off ~15 MB higher and later under glibc's
-default arenas than with 2; each periodic predictor snapshot left its temporary buffers
-(~18 MB for a 4,096-item history) in the heap as RSS until the process ended; and 0–15 MB of
-other freed heap stayed as RSS after bursts, so that two idle readings of the same process
-differed by up to 6 %.
+default arenas than with 2, and each periodic predictor snapshot left its temporary buffers
+(~18 MB for a 4,096-item history) in the heap as RSS until the process ended.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 from functools import cache
@@ -38,19 +35,6 @@ def release_free_memory() -> bool:
     given back (False too off glibc)."""
     libc = _glibc()
     return libc is not None and bool(libc.malloc_trim(0))
-
-
-GIVE_BACK_S = 30.0
-"""Seconds between `release_free_memory` calls in a served process (`give_back_periodically`)."""
-
-
-async def give_back_periodically(interval_s: float = GIVE_BACK_S) -> None:
-    """Every `interval_s`, `release_free_memory` in a thread (~1 ms after a burst or a save
-    freed much, ~0.02 ms otherwise), so the process's RSS follows what it uses: what a
-    container's memory limit and an operator's graph see. Runs until cancelled."""
-    while True:
-        await asyncio.sleep(interval_s)
-        await asyncio.to_thread(release_free_memory)
 
 
 @cache

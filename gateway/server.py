@@ -2,10 +2,9 @@
 
 `sagesched serve` (one process) and each worker of `serve --workers N` run their app here:
 the main address (and the admin address when `admin_listen` is set) served through
-`security.GuardedRunner` (parser limits, header deadline, keep-alive timeout), with freed
-heap pages given back every 30 s (`memory.give_back_periodically`), until `stop` is set;
-then `runner.cleanup()` closes the listeners, runs the SIGTERM drain (`gateway.drain`, an
-`on_shutdown` hook) and the app's cleanup (the predictor snapshot).
+`security.GuardedRunner` (parser limits, header deadline, keep-alive timeout), until `stop`
+is set; then `runner.cleanup()` closes the listeners, runs the SIGTERM drain
+(`gateway.drain`, an `on_shutdown` hook) and the app's cleanup (the predictor snapshot).
 aiohttp's `run_app` is not used: it builds its own runner, which cannot carry the header
 deadline.
 """
@@ -19,7 +18,6 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from gateway import memory
 from gateway.config import GatewayConfig
 from gateway.drain import CUT_S
 from gateway.security import GuardedRunner, admin_socket
@@ -45,7 +43,6 @@ async def serve_until(
         app, config, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_S
     )
     await runner.setup()
-    giving_back = asyncio.create_task(memory.give_back_periodically())
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_port=reuse_port)
         await site.start()
@@ -58,7 +55,6 @@ async def serve_until(
         await stop.wait()
         log.info("stopping: draining")
     finally:
-        giving_back.cancel()
         await runner.cleanup()  # stops accepting, drains (`gateway.drain`), then cleanup
 
 

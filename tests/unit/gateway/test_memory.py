@@ -54,35 +54,6 @@ print(released, before, rss_kb())
 """
 
 
-PERIODIC = """
-import asyncio, ctypes, os
-from gateway.memory import give_back_periodically
-
-def rss_kb():
-    with open(f"/proc/{os.getpid()}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-
-async def main():
-    giving_back = asyncio.create_task(give_back_periodically(0.2))
-    blocks = [libc.malloc(16384) for _ in range(4000)]
-    for b in blocks:
-        ctypes.memset(b, 1, 16384)
-    for b in blocks[:-1]:
-        libc.free(b)
-    before = rss_kb()
-    await asyncio.sleep(1.0)
-    after = rss_kb()
-    giving_back.cancel()
-    print(before, after)
-
-asyncio.run(main())
-"""
-
-
 def child(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
     return subprocess.run(
@@ -114,8 +85,3 @@ def test_release_gives_freed_heap_pages_back() -> None:
     released, before, after = child(RELEASE).stdout.split()
     assert released == "True"
     assert int(before) - int(after) > 50_000, (before, after)  # of the ~64 MB freed, in kB
-
-
-def test_a_served_process_gives_freed_pages_back_by_itself() -> None:
-    before, after = child(PERIODIC).stdout.split()
-    assert int(before) - int(after) > 50_000, (before, after)
