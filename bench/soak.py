@@ -123,6 +123,8 @@ def warm_snapshot(path: Path, prompts: list[str], seed: int) -> None:
             text = rng.choice(prompts)
             f.write(json.dumps({"prompt": text, "output_tokens": natural_output_tokens(text)}))
             f.write("\n")
+    # A child process: run as a script, this file's folder (bench/, with its own
+    # predictor.py) would shadow the `predictor` package here.
     subprocess.run(sagesched("predictor", "warm", "--from", str(records), "--out", str(path),
                              "--model", MODEL, "--set", f"capacity_items={HISTORY_ITEMS}"),
                    check=True, stdout=subprocess.DEVNULL)  # fmt: skip
@@ -153,10 +155,10 @@ def make_request(
     """(path, body, cancel_after) of one request of `kind`."""
     if kind == "bad":
         bad: list[dict[str, Any]] = [
-            {"model": "tiny-llama", "messages": "not a list"},
-            {"model": "tiny-llama", "messages": [{"role": "user", "content": text}],
+            {"model": MODEL, "messages": "not a list"},
+            {"model": MODEL, "messages": [{"role": "user", "content": text}],
              "max_tokens": -3},
-            {"model": "tiny-llama", "prompt": text, "max_tokens": "many"},
+            {"model": MODEL, "prompt": text, "max_tokens": "many"},
         ]  # fmt: skip
         i = rng.randrange(len(bad))
         return ("/v1/completions" if i == 2 else "/v1/chat/completions"), bad[i], None
@@ -167,7 +169,7 @@ def make_request(
                 **usage}  # fmt: skip
         return "/v1/completions", body, None
     body = {
-        "model": "tiny-llama",
+        "model": MODEL,
         "messages": [{"role": "user", "content": text}],
         "max_tokens": max_tokens,
         "stream": stream,

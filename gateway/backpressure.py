@@ -57,8 +57,7 @@ class BoundedStream(web.StreamResponse):
         writer = await super().prepare(request)
         transport = request.transport
         if transport is not None and isinstance(writer, StreamWriter) and self._writer is None:
-            transport.set_write_buffer_limits(high=self._limit)
-            _limit_kernel_buffer(transport, self._limit)
+            _limit_buffers(transport, self._limit)
             self._writer, self._protocol = writer, request.protocol
         return writer
 
@@ -81,16 +80,10 @@ class BoundedStream(web.StreamResponse):
     def cut(self) -> None:
         """Close the client connection now, dropping what is buffered (a plain close would
         wait for the client to read it)."""
-        transport = None if self._protocol is None else self._protocol.transport
-        if transport is not None:
-            transport.abort()
+        _abort(None if self._protocol is None else self._protocol.transport)
 
     async def _bounded(self, step: Awaitable[None]) -> None:
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await step
-        except TimeoutError:
-            raise ClientTooSlow(f"the client read nothing for {self._timeout_s:g} s") from None
+        await _within(step, self._timeout_s)
 
 
 async def send_whole(
@@ -102,24 +95,36 @@ async def send_whole(
     (the caller counts it and `cut`s the connection). aiohttp would otherwise write it after
     the handler returned, waiting as long as the client likes with the answer's bytes held.
     One timer per answer; nothing waits unless the client's buffers are full."""
-    transport = request.transport
-    if transport is not None:
-        transport.set_write_buffer_limits(high=limit)
-        _limit_kernel_buffer(transport, limit)
+    if request.transport is not None:
+        _limit_buffers(request.transport, limit)
     await response.prepare(request)
-    try:
-        async with asyncio.timeout(timeout_s):
-            await response.write_eof()
-    except TimeoutError:
-        raise ClientTooSlow(f"the client read nothing for {timeout_s:g} s") from None
+    await _within(response.write_eof(), timeout_s)
 
 
 def cut(request: web.BaseRequest) -> None:
     """Close a request's connection now, dropping what is buffered (`BoundedStream.cut` for
     an answer written by `send_whole`)."""
-    transport = request.transport
+    _abort(request.transport)
+
+
+async def _within(step: Awaitable[None], timeout_s: float) -> None:
+    """`step`, or `ClientTooSlow` when the client has not let it finish in `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await step
+    except TimeoutError:
+        raise ClientTooSlow(f"the client read nothing for {timeout_s:g} s") from None
+
+
+def _abort(transport: asyncio.Transport | None) -> None:
     if transport is not None:
         transport.abort()
+
+
+def _limit_buffers(transport: asyncio.Transport, limit: int) -> None:
+    """The write buffer's high-water mark in user space and the kernel's send buffer."""
+    transport.set_write_buffer_limits(high=limit)
+    _limit_kernel_buffer(transport, limit)
 
 
 def _limit_kernel_buffer(transport: asyncio.Transport, limit: int) -> None:

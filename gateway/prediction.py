@@ -265,7 +265,7 @@ def _load(config: GatewayConfig) -> LengthPredictor:
 
 
 def _save(predictor: LengthPredictor, path: str) -> None:
-    """A periodic snapshot, then its temporary buffers' pages given back to the system
+    """A snapshot, then its temporary buffers' pages given back to the system
     (`memory.release_free_memory`): else each save's high-water mark stays in the heap as RSS
     (+18 MB for a 4,096-item history, docs/reliability.md)."""
     predictor.save(path)
