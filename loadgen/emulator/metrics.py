@@ -22,6 +22,7 @@ LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LABELS = ("model_name", "engine")
 
 
@@ -47,6 +48,22 @@ class EmulatorMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
         )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            LABELS,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ("block_size", "num_gpu_blocks", "enable_prefix_caching"),
+            registry=r,
+        )
+        self._cache_declared = False
+        self._seen = (0, 0, 0)
+        """(iterations, prompt tokens, generated tokens) already exposed."""
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -74,6 +91,7 @@ class EmulatorMetrics:
         series: tuple[Gauge | Counter | Histogram, ...] = (
             self.running, self.waiting, self.kv, self.preemptions, self.prompt_tokens,
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
+            self.iteration_tokens,
         )  # fmt: skip
         for m in series:  # expose every series from the start, as vLLM does
             m.labels(*lv)
@@ -87,6 +105,21 @@ class EmulatorMetrics:
         if st.preemptions > self._preempt_seen:
             self.preemptions.labels(*lv).inc(st.preemptions - self._preempt_seen)
             self._preempt_seen = st.preemptions
+        if not self._cache_declared and st.kv_blocks:
+            self.cache_config.labels(str(st.block_tokens), str(st.kv_blocks), "False").set(1)
+            self._cache_declared = True
+        iterations, prompt, generated = self._seen
+        if st.prompt_tokens > prompt:
+            self.prompt_tokens.labels(*lv).inc(st.prompt_tokens - prompt)
+        steps = st.iterations - iterations
+        if steps > 0:
+            # one observation per iteration, each the iteration's mean tokens (a step of the
+            # engine model can cover several identical decode iterations)
+            per = (st.prompt_tokens - prompt + st.generated_tokens - generated) / steps
+            hist = self.iteration_tokens.labels(*lv)
+            for _ in range(steps):
+                hist.observe(per)
+        self._seen = (st.iterations, max(st.prompt_tokens, prompt), st.generated_tokens)
 
     def on_tokens(self, n: int, first_delay_s: float | None, gap_s: float | None) -> None:
         """`n` new tokens; the first-token delay or the gap since the previous tokens."""
@@ -100,11 +133,8 @@ class EmulatorMetrics:
             for _ in range(n):
                 self.itl.labels(*lv).observe(gap_s / n)
 
-    def on_finish(
-        self, prompt_tokens: int, e2e_s: float, queue_s: float | None, reason: str
-    ) -> None:
+    def on_finish(self, e2e_s: float, queue_s: float | None, reason: str) -> None:
         lv = self._lv
-        self.prompt_tokens.labels(*lv).inc(prompt_tokens)
         self.e2e.labels(*lv).observe(e2e_s)
         if queue_s is not None:
             self.queue.labels(*lv).observe(queue_s)

@@ -105,6 +105,8 @@ class Engine:
         self.preemptions = 0
         self.generated_tokens = 0
         """Output tokens generated so far (vLLM's `generation_tokens_total`)."""
+        self.prompt_tokens = 0
+        """Prompt (and recompute) tokens prefilled so far (vLLM's `prompt_tokens_total`)."""
         self._last_iter_s = profile.iteration_s(1, 0, 0)
 
     # -- membership -----------------------------------------------------------------------
@@ -438,6 +440,7 @@ class Engine:
             if seq.generated >= seq.output:
                 finished.append(seq)
         for seq, chunk in b.prefills:
+            self.prompt_tokens += chunk
             seq.prefill_left -= chunk
             seq.kv += chunk
             if seq.prefill_left == 0:
