@@ -241,12 +241,14 @@ class BackendPool:
         self.remember()
 
     def remember(self) -> None:
-        """Write every confident curve to the memory file (others keep their old entry)."""
+        """Write every fitted curve to the memory file (a backend with no evidence yet keeps
+        its old entry)."""
         if not self._memory_path:
             return
         for b in self.backends:
-            if b.controller is not None and b.controller.confident():
-                self._memory[memory_key(b)] = b.controller.memory()
+            memory = None if b.controller is None else b.controller.memory()
+            if memory is not None:
+                self._memory[memory_key(b)] = memory
         try:
             save_memory(self._memory_path, self._memory)
         except OSError as e:

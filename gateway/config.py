@@ -73,7 +73,7 @@ class AdaptiveCapConfig:
     """KV-cache usage above which the cap shrinks."""
     waiting_high: float = 2.0
     """vLLM waiting requests above which the cap shrinks."""
-    plateau_fraction: float = 2 / 3
+    plateau_fraction: float = 0.85
     """The cap is the smallest batch whose fitted throughput is this share of the engine's
     plateau (docs/gateway.md, "The self-tuning cap")."""
     memory_path: str | None = None

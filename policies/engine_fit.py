@@ -267,15 +267,5 @@ class EngineFit:
             raise ValueError("not an engine fit: wrong shape")
         return fit
 
-    def scaled(self, observations: float) -> EngineFit:
-        """A copy whose weight counts as at most `observations` observations (a remembered
-        curve starts confident but gives way to new evidence quickly)."""
-        copy = EngineFit.from_dict(self.to_dict())
-        if copy.observations > observations > 0:
-            r = observations / copy.observations
-            copy._xx, copy._xy, copy._yy = copy._xx * r, copy._xy * r, copy._yy * r
-            copy._mix, copy._w, copy._w2 = copy._mix * r, copy._w * r, copy._w2 * r
-        return copy
-
 
 __all__ = ["FEATURES", "EngineFit", "Interval"]
