@@ -97,13 +97,11 @@ class CapLaw:
     best fixed cap measured there (docs/validation.md)."""
     confident_error: float = 0.2
     """Relative standard error of the efficient batch below which the curve is trusted."""
-    min_observations: float = 4.0
+    min_observations: float = 3.0
     """Intervals the fit needs before it is trusted at all."""
     explore_step: float = 0.5
     """While the curve is uncertain: relative distance above and below the estimate the cap
     alternates between."""
-    dwell: int = 2
-    """Samples an exploration level is held."""
     deadband: float = 0.1
     """Relative change of the efficient batch below which a settled cap is not moved."""
     slow_start_factor: float = 2.0
@@ -118,6 +116,9 @@ class CapLaw:
     was fitted on."""
     busy_fraction: float = 0.9
     """The cap binds while at least this share of it is in flight."""
+    min_iterations: float = 8.0
+    """Engine iterations one observation of the curve spans (consecutive samples of one
+    batch are merged until they do)."""
 
     def __post_init__(self) -> None:
         if self.slow_start_factor <= 1:
@@ -130,8 +131,8 @@ class CapLaw:
             raise ValueError("need 0 < plateau_fraction < 1")
         if not 0 < self.explore_step < 1 or self.confident_error <= 0:
             raise ValueError("need 0 < explore_step < 1 and confident_error > 0")
-        if self.dwell < 1 or not 0 < self.backoff < 1 or self.change_window < 2:
-            raise ValueError("need dwell >= 1, 0 < backoff < 1, change_window >= 2")
+        if not 0 < self.backoff < 1 or self.change_window < 2 or self.min_iterations <= 0:
+            raise ValueError("need 0 < backoff < 1, change_window >= 2, min_iterations > 0")
 
 
 @dataclass(slots=True)
@@ -166,9 +167,13 @@ class CapController:
         self._errors: deque[float] = deque(maxlen=law.change_window)
         """Relative errors of the last intervals against the curve."""
         self._suspects: deque[Interval] = deque(maxlen=law.change_window)
+        self._pending: Interval | None = None
+        """Intervals of one batch gathered until they span `min_iterations`."""
         """The last intervals held out of the fit as too far off the curve."""
-        self._explore = (1, 0)
-        """(direction, samples held) of the exploration dither."""
+        self._explore = 1
+        """The exploration dither's last direction (+1 above the estimate, -1 below)."""
+        self._observed = False
+        """Has the fit had an observation at the current cap since it came into force?"""
         if memory is not None:
             self._recall(memory)
 
@@ -215,8 +220,10 @@ class CapController:
             return self.cap  # nothing known (no metrics endpoint): keep the configured cap
         last, self._last = self._last, _Reading(now, sample, inflight)
         interval = None if last is None else _interval(last, self._last)
-        if interval is not None:
-            self._learn(interval)
+        if interval is None:
+            self._flush()
+        else:
+            self._gather(interval)
         # a queue counts once it is seen twice in a row: a prompt waiting one step for the
         # token budget is no sign of a full batch
         last_waiting, self._waiting = self._waiting, sample.waiting
@@ -236,18 +243,44 @@ class CapController:
 
     # -- steps ------------------------------------------------------------------------------
 
+    def _gather(self, interval: Interval) -> None:
+        """Merge consecutive intervals of the same batch until they span `min_iterations`
+        engine iterations: a count of 2 or 3 iterations in a sample is a ±30% error from
+        rounding alone (a vLLM CPU iteration takes 20-300 ms)."""
+        pending = self._pending
+        if pending is not None and not _same_batch(pending.batch, interval.batch):
+            self._flush()
+            pending = None
+        merged = interval if pending is None else _merge(pending, interval)
+        if merged.iterations >= self.law.min_iterations:
+            self._pending = None
+            self._learn(merged)
+        else:
+            self._pending = merged
+
+    def _flush(self) -> None:
+        """The batch moved or the engine idled: fit what was gathered if it is long enough
+        to mean something (a quarter of `min_iterations`), else drop it."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.iterations >= self.law.min_iterations / 4:
+            self._learn(pending)
+
     def _learn(self, interval: Interval) -> None:
         """Judge the interval against the curve, then fit it. An interval the curve misses by
         more than `change_error` is held out (a transient must not bend the curve); when the
         median error of the last `change_window` intervals is that far off, the engine has
         changed: the fit starts over from the held-out intervals."""
         law = self.law
-        error = (
-            self.fit.residual(interval) if self.fit.observations >= law.min_observations else None
-        )
-        if error is None:
+        if _same_batch(interval.batch, self.cap) or interval.batch >= self.cap:
+            self._observed = True
+        enough = self.fit.observations >= law.min_observations
+        judged = self.fit.residual(interval) if enough else None
+        if judged is None:
             self.fit.add(interval)
             return
+        error, se = judged
+        # where the fit extrapolates (a mix it has not seen) its own error is allowed for
+        error = math.copysign(max(abs(error) - 2 * se, 0.0), error)
         self._errors.append(error)
         if abs(error) <= law.change_error:
             self.fit.add(interval)
@@ -296,22 +329,16 @@ class CapController:
         binding = inflight >= law.busy_fraction * self.cap
         if not binding:
             return self.cap  # demand, not the cap, sets the batch: nothing to explore
+        if not self._observed:
+            return self.cap  # each level is held until the fit has an observation of it
         if self.slow_start and (est is None or self.cap < 2 * est[0]):
-            # each level held `dwell` samples: the first interval after a move is not steady
-            direction, held = self._explore
-            if held + 1 < law.dwell:
-                self._explore = (direction, held + 1)
-                return self.cap
-            self._explore = (direction, 0)
+            if self.cap >= law.max_cap:
+                return self.cap // 2  # the top, still no curve: look below instead
             return self._grown()
         self.slow_start = False
         centre = est[0] if est is not None else self.cap * (1 + law.explore_step)
-        direction, held = self._explore
-        if held + 1 >= law.dwell:
-            direction, held = -direction, 0
-        else:
-            held += 1
-        self._explore = (direction, held)
+        direction = -self._explore
+        self._explore = direction
         return max(1, round(centre * (1 + direction * law.explore_step)))
 
     def _grown(self) -> int:
@@ -325,7 +352,9 @@ class CapController:
                 cap = min(cap, ceiling)
             else:
                 self._ceiling = None
-        self.cap = self._clamp(cap)
+        new = self._clamp(cap)
+        if new != self.cap:
+            self.cap, self._observed = new, False
         return self.cap
 
     def _recall(self, memory: dict[str, Any]) -> None:
@@ -367,7 +396,7 @@ def _interval(last: _Reading, now: _Reading) -> Interval | None:
         ends = (a.running, b.running)
     else:
         ends = (float(last.inflight), float(now.inflight))
-    if min(ends) < 1 or max(ends) > STEADY_BATCH * min(ends):
+    if min(ends) < 1 or not _same_batch(*ends):
         # idle at one end (part of the interval may have been idle), or the batch moved
         # (after a cap change or while a burst drains): its mean batch is not known
         return None
@@ -385,6 +414,25 @@ def _interval(last: _Reading, now: _Reading) -> Interval | None:
     ):
         context = (a.kv_usage + b.kv_usage) / 2 * b.kv_capacity_tokens
     return Interval(dt, iterations, batch, max(prompt, 0.0), context)
+
+
+def _same_batch(a: float, b: float) -> bool:
+    return max(a, b) <= STEADY_BATCH * min(a, b)
+
+
+def _merge(a: Interval, b: Interval) -> Interval:
+    """Two consecutive intervals as one (batch and context weighted by iterations)."""
+    n = a.iterations + b.iterations
+    context = None
+    if a.context_tokens is not None and b.context_tokens is not None:
+        context = (a.context_tokens * a.iterations + b.context_tokens * b.iterations) / n
+    return Interval(
+        seconds=a.seconds + b.seconds,
+        iterations=n,
+        batch=(a.batch * a.iterations + b.batch * b.iterations) / n,
+        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+        context_tokens=context,
+    )
 
 
 def _delta(a: float | None, b: float | None) -> float | None:

@@ -71,10 +71,15 @@ class EngineFit:
     thread-safe.
     """
 
-    def __init__(self, half_life_s: float = 300.0, ridge: float = 1e-9) -> None:
-        if half_life_s <= 0:
-            raise ValueError("need half_life_s > 0")
+    def __init__(
+        self, half_life_s: float = 300.0, mix_half_life_s: float = 20.0, ridge: float = 1e-9
+    ) -> None:
+        """`half_life_s`: of the coefficients (the engine changes rarely); `mix_half_life_s`:
+        of the traffic mix the efficient batch is computed at (it changes with the load)."""
+        if half_life_s <= 0 or mix_half_life_s <= 0:
+            raise ValueError("need half-lives > 0")
         self.half_life_s = half_life_s
+        self.mix_half_life_s = mix_half_life_s
         self._ridge = ridge
         k = len(FEATURES)
         self._xx = np.zeros((k, k))
@@ -83,7 +88,8 @@ class EngineFit:
         self._w = 0.0
         self._w2 = 0.0
         self._mix = np.zeros(3)
-        """Faded sums of (batch, context, prompt tokens per iteration), weight `_w`."""
+        """Faded sums of (batch, context, prompt tokens per iteration), weight `_mix_w`."""
+        self._mix_w = 0.0
         self._ctx_known = False
         self._span = [math.inf, 0.0]
         """Smallest and largest batch observed (not faded)."""
@@ -106,7 +112,9 @@ class EngineFit:
         self._yy = self._yy * fade + 1.0
         self._w = self._w * fade + 1.0
         self._w2 = self._w2 * fade * fade + 1.0
-        self._mix = self._mix * fade + x[1:]
+        mix_fade = 0.5 ** (interval.seconds / self.mix_half_life_s)
+        self._mix = self._mix * mix_fade + x[1:]
+        self._mix_w = self._mix_w * mix_fade + 1.0
         self._ctx_known = self._ctx_known or interval.context_tokens is not None
         self._span = [min(self._span[0], interval.batch), max(self._span[1], interval.batch)]
         self._solved = None
@@ -133,9 +141,9 @@ class EngineFit:
 
     def mix(self) -> tuple[float, float, float]:
         """Recent (batch, context per request, prompt tokens per iteration per request)."""
-        if self._w <= 0:
+        if self._mix_w <= 0:
             return 0.0, 0.0, 0.0
-        batch, ctx, prompt = (self._mix / self._w).tolist()
+        batch, ctx, prompt = (self._mix / self._mix_w).tolist()
         per = max(batch, 1e-9)
         return batch, ctx / per, prompt / per
 
@@ -148,13 +156,21 @@ class EngineFit:
             return None
         return float(solved[0] @ np.array([1.0, batch, context_tokens, prompt_tokens]))
 
-    def residual(self, interval: Interval) -> float | None:
-        """Relative error of the fit on `interval` ((seen - predicted) / predicted), or None."""
-        x, y = interval.row()
-        predicted = self.step_s(x[1], x[2], x[3])
-        if predicted is None or predicted <= 0 or interval.iterations <= 0:
+    def residual(self, interval: Interval) -> tuple[float, float] | None:
+        """(relative error of the fit on `interval`, relative standard error of the fit's
+        prediction there), or None before a fit. The second is large where the fit
+        extrapolates (a mix of context and batch it has not seen)."""
+        solved = self._solve()
+        if solved is None or interval.iterations <= 0:
             return None
-        return (y - predicted) / predicted
+        theta, cov = solved
+        x_list, y = interval.row()
+        x = np.asarray(x_list)
+        predicted = float(theta @ x)
+        if predicted <= 0:
+            return None
+        se = math.sqrt(max(float(x @ cov @ x), 0.0)) / predicted
+        return (y - predicted) / predicted, se
 
     def slope(self) -> float | None:
         """beta' (seconds per extra running request at the recent mix), None before a fit."""
@@ -239,6 +255,8 @@ class EngineFit:
         """The fit's sufficient statistics (JSON-ready): `from_dict` restores it exactly."""
         return {
             "half_life_s": self.half_life_s,
+            "mix_half_life_s": self.mix_half_life_s,
+            "mix_w": self._mix_w,
             "xx": self._xx.tolist(),
             "xy": self._xy.tolist(),
             "yy": self._yy,
@@ -253,7 +271,8 @@ class EngineFit:
     def from_dict(cls, data: dict[str, Any]) -> EngineFit:
         """Restore a fit saved by `to_dict`. Raises ValueError on a malformed record."""
         try:
-            fit = cls(float(data["half_life_s"]))
+            fit = cls(float(data["half_life_s"]), float(data["mix_half_life_s"]))
+            fit._mix_w = float(data["mix_w"])
             fit._xx = np.asarray(data["xx"], dtype=np.float64).reshape(len(FEATURES), -1)
             fit._xy = np.asarray(data["xy"], dtype=np.float64).reshape(len(FEATURES))
             fit._yy, fit._w, fit._w2 = float(data["yy"]), float(data["w"]), float(data["w2"])

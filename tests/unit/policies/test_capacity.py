@@ -181,15 +181,22 @@ def test_counter_reset_is_skipped() -> None:
     assert ctl.fit.observations == 0
 
 
-def test_an_interval_whose_batch_moved_is_not_fitted() -> None:
-    ctl = CapController(CapLaw(), 8)
-    ctl.observe(0.25, EngineSample(0.0, 0.1, 100.0, running=8.0), 8)
-    ctl.observe(0.5, EngineSample(0.0, 0.1, 200.0, running=16.0), 16)  # 8 -> 16: moved
+def test_samples_of_one_batch_are_merged_and_a_moved_batch_is_not_fitted() -> None:
+    law = CapLaw(min_iterations=8)
+    ctl = CapController(law, 8)
+
+    def sample(tokens: float, running: float, iterations: float) -> EngineSample:
+        return EngineSample(0.0, 0.1, tokens, running=running, iterations=iterations)
+
+    ctl.observe(0.25, sample(100.0, 8.0, 10.0), 8)
+    ctl.observe(0.5, sample(200.0, 16.0, 16.0), 16)  # 8 -> 16: the batch moved
     assert ctl.fit.observations == 0
-    ctl.observe(0.75, EngineSample(0.0, 0.1, 300.0, running=16.0), 16)
+    ctl.observe(0.75, sample(300.0, 16.0, 21.0), 16)  # 5 iterations: gathered, not yet fitted
+    assert ctl.fit.observations == 0
+    ctl.observe(1.0, sample(400.0, 16.0, 26.0), 16)  # 10 iterations of one batch: one point
     assert ctl.fit.observations == pytest.approx(1.0)
     # idle at one end: part of the interval may have been idle
-    ctl.observe(1.0, EngineSample(0.0, 0.1, 310.0, running=0.0), 0)
+    ctl.observe(1.25, sample(410.0, 0.0, 27.0), 0)
     assert ctl.fit.observations == pytest.approx(1.0, rel=1e-3)
 
 
@@ -208,7 +215,7 @@ def test_law_validation() -> None:
     with pytest.raises(ValueError):
         CapLaw(min_cap=5, max_cap=4)
     with pytest.raises(ValueError):
-        CapLaw(dwell=0)
+        CapLaw(min_iterations=0)
     with pytest.raises(ValueError):
         CapLaw(slow_start_factor=1.0)
     with pytest.raises(ValueError):
