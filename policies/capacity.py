@@ -102,6 +102,9 @@ class CapLaw:
     explore_step: float = 0.5
     """While the curve is uncertain: relative distance above and below the estimate the cap
     alternates between."""
+    refine_step: float = 0.15
+    """Once trusted, until its error halves: relative distance above and below the estimate
+    the cap alternates between."""
     deadband: float = 0.1
     """Relative change of the efficient batch below which a settled cap is not moved."""
     slow_start_factor: float = 2.0
@@ -320,13 +323,18 @@ class CapController:
         """Where the curve says the cap belongs, or the next exploration level."""
         law = self.law
         est = self.efficient_batch()
+        binding = inflight >= law.busy_fraction * self.cap
         if est is not None and self.confident():
             self.slow_start = False
+            if est[1] > law.confident_error / 2 and binding and self._observed:
+                # trusted but not yet precise: keep the batch varying a little around the
+                # estimate, or the fit (fed one batch size only) could never correct it
+                self._explore = -self._explore
+                return max(1, round(est[0] * (1 + self._explore * law.refine_step)))
             target = round(est[0])
             if abs(target - self.cap) <= law.deadband * self.cap:
                 return self.cap  # settled: noise in the estimate does not move the cap
             return target
-        binding = inflight >= law.busy_fraction * self.cap
         if not binding:
             return self.cap  # demand, not the cap, sets the batch: nothing to explore
         if not self._observed:

@@ -33,7 +33,7 @@ from policies.capacity import CapLaw
 # with the timing tests, with nothing else busy.
 pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
-A_S, B_SEQ_S, B_CTX_S, B_TOK_S = 0.030, 0.001, 0.00001, 0.00005
+A_S, B_SEQ_S, B_CTX_S, B_TOK_S = 0.010, 0.0003, 0.000003, 0.00005
 OUTPUT = (50, 150)
 """Answer lengths, uniform (inclusive)."""
 CLIENTS = 96
@@ -96,7 +96,11 @@ async def _load(
 
 
 def near(caps: list[int], b: float) -> bool:
-    return all(0.8 * b <= c <= 1.2 * b for c in caps)
+    """The caps average within ±20% of `b`; none is further off than the refinement dither
+    (±`CapLaw.refine_step` around the estimate while its error is still above half the
+    bound) adds to that."""
+    spread = 0.2 + CapLaw().refine_step
+    return abs(statistics.mean(caps) - b) <= 0.2 * b and all(abs(c - b) <= spread * b for c in caps)
 
 
 async def test_cap_finds_the_knee_cold_follows_a_change_and_restarts_warm(
