@@ -119,7 +119,7 @@ def _jobs(
             job.rank_score = None if rank_scores is None else rank_scores[i]
         if policy.needs_oracle:
             job.true_output_tokens = out
-        job.ctx = Seq(job, out, pred)
+        job.ctx = Seq(job, out, pred, hashes=r.block_hashes, hash_tokens=r.block_tokens)
         jobs.append(job)
         records.append(
             RequestRecord(i, r.arrival_s, r.prompt_tokens, out, r.deadline_s, tenant=job.tenant)
