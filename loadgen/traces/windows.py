@@ -109,7 +109,7 @@ def window_digest(window: Window) -> str:
     """
     h = hashlib.sha256()
     for r in window.requests:
-        fields = (
+        fields: tuple[str, ...] = (
             repr(r.arrival_s),
             str(r.prompt_tokens),
             str(r.output_tokens),

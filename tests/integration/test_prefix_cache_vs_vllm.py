@@ -10,59 +10,31 @@ counters must agree within 5 points. The figures go to `.cache/prefix-cache-vs-v
 
 Twice: on the server's default KV (4,096 blocks: nothing is evicted), and on a server with
 only `SMALL_KV_BLOCKS` blocks (`--num-gpu-blocks-override`), where later turns find parts of
-their prefix evicted, so the LRU order of the free-block queue decides the hits.
+their prefix evicted, so the order in which the block pool reuses free blocks decides the
+hits. The counters measured are pinned in `fixtures.prefix_prompts.VLLM_MEASURED`, which a
+unit test checks the model against without a server.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
 import urllib.request
 
 import pytest
+from fixtures.prefix_prompts import (
+    MAX_TOKENS,
+    SMALL_KV_BLOCKS,
+    conversations,
+    model_counters,
+    send_order,
+)
 
-from loadgen.engine.configs import EngineConfig
-from loadgen.engine.model import Engine, Seq
-from loadgen.engine.profiles import make_profile
-from loadgen.prefix import chain_tokens
 from loadgen.vllm_real import CACHE, RealVllm
-from policies.job import Job
 
 pytestmark = pytest.mark.slow
 
-VLLM_BLOCK_TOKENS = 128
-"""The CPU build's KV block size (REFERENCE.md §4)."""
 TOLERANCE = 0.05
-MAX_TOKENS = 2
-CONVERSATIONS = 4
-TURNS = 4
-SMALL_KV_BLOCKS = 24
-"""The small server's KV blocks (block 0 is vLLM's null block, so 23 hold tokens)."""
-
-
-def conversations(seed: int = 29) -> list[list[list[int]]]:
-    """Token-id prompts: per conversation, turn k = system prompt + segments 1..k."""
-    rng = random.Random(seed)
-
-    def segment(lo: int, hi: int) -> list[int]:
-        return [rng.randrange(1000, 30000) for _ in range(rng.randrange(lo, hi))]
-
-    system = segment(200, 300)
-    convs = []
-    for _ in range(CONVERSATIONS):
-        prompt = list(system)
-        turns = []
-        for _ in range(TURNS):
-            prompt = prompt + segment(60, 400)
-            turns.append(prompt)
-        convs.append(turns)
-    return convs
-
-
-def send_order(convs: list[list[list[int]]]) -> list[list[int]]:
-    """Turn 1 of every conversation, then turn 2 of every one, ... (interleaved sessions)."""
-    return [convs[c][t] for t in range(TURNS) for c in range(len(convs))]
 
 
 def _counters(url: str) -> tuple[float, float]:
@@ -84,25 +56,6 @@ def _complete(server: RealVllm, prompt: list[int]) -> None:
     )  # fmt: skip
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.status == 200
-
-
-def model_counters(prompts: list[list[int]], kv_blocks: int = 4096) -> tuple[int, int]:
-    """(queries, hits) of the engine model fed `prompts` one at a time, as the server was.
-
-    `kv_blocks`: the server's block count; vLLM keeps one as its null block, and with one
-    request at a time it applies no watermark."""
-    cfg = EngineConfig("cpu-apc", "the CPU build's KV", block_tokens=VLLM_BLOCK_TOKENS,
-                       kv_tokens=(kv_blocks - 1) * VLLM_BLOCK_TOKENS, max_batch_tokens=4096,
-                       watermark_fraction=0.0)  # fmt: skip
-    engine = Engine(cfg, make_profile("lssp-constant"))
-    t = 0.0
-    for i, ids in enumerate(prompts):
-        job = Job(i, t, len(ids))
-        engine.add(Seq(job, MAX_TOKENS, MAX_TOKENS, hashes=chain_tokens(ids, VLLM_BLOCK_TOKENS),
-                       hash_tokens=VLLM_BLOCK_TOKENS))  # fmt: skip
-        while engine:
-            t += engine.step(t, 1.0).dt_s
-    return engine.prefix_cache_queries, engine.prefix_cache_hits
 
 
 def _compare(server: RealVllm, kv_blocks: int, tag: str) -> None:
