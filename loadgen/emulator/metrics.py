@@ -47,6 +47,18 @@ class EmulatorMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
         )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            LABELS,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            LABELS,
+            registry=r,
+        )
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -71,9 +83,11 @@ class EmulatorMetrics:
         )
         self._lv = lv
         self._preempt_seen = 0
+        self._prefix_seen = (0, 0)
         series: tuple[Gauge | Counter | Histogram, ...] = (
             self.running, self.waiting, self.kv, self.preemptions, self.prompt_tokens,
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
+            self.prefix_queries, self.prefix_hits,
         )  # fmt: skip
         for m in series:  # expose every series from the start, as vLLM does
             m.labels(*lv)
@@ -87,6 +101,11 @@ class EmulatorMetrics:
         if st.preemptions > self._preempt_seen:
             self.preemptions.labels(*lv).inc(st.preemptions - self._preempt_seen)
             self._preempt_seen = st.preemptions
+        queries, hits = self._prefix_seen
+        if st.prefix_cache_queries > queries:
+            self.prefix_queries.labels(*lv).inc(st.prefix_cache_queries - queries)
+            self.prefix_hits.labels(*lv).inc(st.prefix_cache_hits - hits)
+            self._prefix_seen = (st.prefix_cache_queries, st.prefix_cache_hits)
 
     def on_tokens(self, n: int, first_delay_s: float | None, gap_s: float | None) -> None:
         """`n` new tokens; the first-token delay or the gap since the previous tokens."""
