@@ -44,7 +44,9 @@ class TraceRequest:
     request, and a session's first turn). A number marks a later turn that follows the
     previous request of the same `session` (the one before it in the workload): it arrives
     `think_s` seconds after that request's last token (or its drop), and `arrival_s` is then
-    only an estimate made when the workload was built (what an open-loop replay would use)."""
+    only an estimate made when the workload was built (what an open-loop replay would use).
+    Its prompt re-sends the previous turn's prompt and answer first (the simulator's engine
+    then finds the answer's blocks cached, as a server that generated them would)."""
 
 
 @dataclass(frozen=True, slots=True)

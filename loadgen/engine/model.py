@@ -58,7 +58,8 @@ class Seq:
     priority: int | None = None
     """vLLM `priority` the request carries (lower first); None: the job's priority class."""
     hashes: tuple[int, ...] = ()
-    """The prompt's chained block hashes (`TraceRequest.block_hashes`; empty: never hits)."""
+    """Chained block hashes of the prompt (`TraceRequest.block_hashes`; empty: never hits),
+    possibly going on over the output when the workload knows its tokens (session turns)."""
     hash_tokens: int = 0
     """Tokens per entry of `hashes` (a multiple of the engine's `block_tokens`)."""
     cached: int = 0
@@ -380,6 +381,8 @@ class Engine:
         if self.cache is None:
             self.free_blocks += seq.blocks
         else:
+            if seq.hashes:  # blocks its decodes filled, where its chain covers them
+                self.free_blocks += self.cache.register(seq)
             self.free_blocks += self.cache.release(seq)
         seq.blocks = seq.kv = 0
 

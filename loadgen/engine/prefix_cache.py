@@ -21,7 +21,8 @@ blocks go least recently freed first. The model keeps:
   `free_blocks − lru_blocks` are the uncached ones.
 
 A sequence holds `Seq.cached` leading entries: found at admission (`acquire`) or computed by
-its own prefill (`register`). Where vLLM keeps two copies of a block computed twice (two
+itself (`register`: after each prefill chunk, and when it leaves the engine, for chains that
+go on over its generated tokens). Where vLLM keeps two copies of a block computed twice (two
 sequences computing one prefix at once, or a prefix with a hole evicted), the model keeps one:
 the later sequence shares the cached entry and frees its own copy. Until the first sequence
 with hashes arrives nothing is tracked (results without hashes do not depend on the cache).
@@ -147,9 +148,10 @@ class PrefixCache:
         return freed
 
     def register(self, seq: Seq) -> int:
-        """Cache the prompt entries `seq` has computed so far; returns blocks freed by sharing
-        an entry that is already cached (the engine adds them back)."""
-        done = min(seq.kv, seq.prompt) // seq.hash_tokens
+        """Cache the entries `seq` has computed so far (its chain may go on past the prompt
+        over the tokens it generates); returns blocks freed by sharing an entry that is
+        already cached (the engine adds them back)."""
+        done = seq.kv // seq.hash_tokens
         full = min(len(seq.hashes), done)
         if full <= seq.cached:
             return 0

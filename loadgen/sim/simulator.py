@@ -112,6 +112,7 @@ def _jobs(
     rank_scores: Sequence[float] | None = None,
 ) -> tuple[list[Job], list[RequestRecord]]:
     jobs, records = [], []
+    chains = engine_chains(requests)
     for i, r in enumerate(requests):
         out = max(1, r.output_tokens)
         pred = float(r.predicted_output_tokens or out)
@@ -122,12 +123,29 @@ def _jobs(
             job.rank_score = None if rank_scores is None else rank_scores[i]
         if policy.needs_oracle:
             job.true_output_tokens = out
-        job.ctx = Seq(job, out, pred, hashes=r.block_hashes, hash_tokens=r.block_tokens)
+        job.ctx = Seq(job, out, pred, hashes=chains[i], hash_tokens=r.block_tokens)
         jobs.append(job)
         records.append(
             RequestRecord(i, r.arrival_s, r.prompt_tokens, out, r.deadline_s, tenant=job.tenant)
         )
     return jobs, records
+
+
+def engine_chains(requests: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
+    """Each request's hash chain for the engine model: its prompt's, and for a session turn
+    whose next turn re-sends it (the next chain starts with this one, same block size) also
+    the blocks of its answer, taken from the next turn's chain: the next turn's prompt is this
+    prompt followed by this answer, as the model generated it, so the engine caches those
+    blocks when it generates them (vLLM caches decode blocks too)."""
+    chains = [r.block_hashes for r in requests]
+    for i, (j, _) in follow_ups(requests).items():
+        r, nxt = requests[i], requests[j]
+        n = len(r.block_hashes)
+        same_size = r.block_tokens and nxt.block_tokens == r.block_tokens
+        if same_size and nxt.block_hashes[:n] == r.block_hashes:
+            upto = (r.prompt_tokens + r.output_tokens) // r.block_tokens
+            chains[i] = nxt.block_hashes[: max(n, upto)]
+    return chains
 
 
 def follow_ups(requests: Sequence[TraceRequest]) -> dict[int, tuple[int, float]]:

@@ -95,6 +95,16 @@ def test_entries_span_several_engine_blocks() -> None:
         e.add(_seq(2, 100, [1], hash_tokens=24))
 
 
+def test_a_chain_past_the_prompt_caches_the_generated_blocks() -> None:
+    e = _engine()
+    first = _seq(0, 64, list(range(8)), out=40)  # chain of 8 blocks: 4 prompt + 4 output
+    _run(e, first)
+    assert e.cache is not None and first.cached == 0
+    assert len(e.cache.refs) == 6  # 64 + 40 tokens in KV: 6 full blocks
+    _run(e, _seq(1, 128, list(range(8))))
+    assert e.prefix_cache_hits == 6 * BT
+
+
 def test_uncached_free_blocks_go_before_any_eviction() -> None:
     e = _engine(kv_blocks=20)
     _run(e, _seq(0, 64, [1, 2, 3, 4], out=1))  # leaves 4 cached blocks, 16 uncached free

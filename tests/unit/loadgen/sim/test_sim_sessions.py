@@ -9,7 +9,7 @@ from loadgen.engine.configs import engine_config
 from loadgen.prefix import chain_ids
 from loadgen.schema import TraceRequest
 from loadgen.sim.replicas import Replicas, simulate_replicas
-from loadgen.sim.simulator import Contender, follow_ups, simulate
+from loadgen.sim.simulator import Contender, engine_chains, follow_ups, simulate
 from policies.registry import parse_policy
 
 
@@ -36,8 +36,23 @@ def test_next_turn_arrives_think_time_after_the_previous_ends() -> None:
     assert r[2].arrival_s == pytest.approx(r[0].finish_s + 2.0)
     assert r[3].arrival_s == pytest.approx(r[2].finish_s + 0.25)
     assert all(x.finish_s is not None for x in r)
-    # b shares 3 blocks with a; turns 2 and 3 find all of turns 1 and 2 cached
-    assert res.extra["prefix_cache_hits"] == 16 * (3 + 50 + 100)
+    # b shares 3 blocks with a; turns 2 and 3 find turns 1 and 2 cached with their answers:
+    # 800 + 50 tokens = 53 full blocks of turn 2's chain, 1600 + 20 = 101 of turn 3's
+    assert res.extra["prefix_cache_hits"] == 16 * (3 + 53 + 101)
+
+
+def test_engine_chains_extend_over_the_answer_only_when_the_next_turn_resends_it() -> None:
+    reqs = [
+        _turn(0.0, 800, 50, "a", None, 50),
+        _turn(1.0, 1600, 20, "a", 1.0, 100),
+        _turn(2.0, 100, 5, "c", None, 6),
+        _turn(3.0, 200, 5, "c", 1.0, 0),  # another chain: no extension
+    ]
+    reqs[3] = TraceRequest(3.0, 200, 5, "test", session="c", think_s=1.0,
+                           block_hashes=chain_ids(range(7, 19)), block_tokens=16)  # fmt: skip
+    chains = engine_chains(reqs)
+    assert chains[0] == reqs[1].block_hashes[:53] and chains[1] == reqs[1].block_hashes
+    assert chains[2] == reqs[2].block_hashes and chains[3] == reqs[3].block_hashes
 
 
 def test_prefix_caching_shortens_later_turns() -> None:
