@@ -49,7 +49,7 @@ def one_run(i: int) -> dict[str, Any]:
     if VALIDATION.exists():
         val = json.loads(VALIDATION.read_text())
         row["validation"] = val["median"]
-        row["cap"] = val["gateway"]["max_inflight"]
+        row["cap"] = [r["cap_at_end"] for r in val["rounds"]]
         row["rounds"] = [r["sagesched_over_direct"] for r in val["rounds"]]
     return row
 

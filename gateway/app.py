@@ -190,6 +190,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             session,
             health_interval_s=config.health_interval_s,
             adaptive=config.adaptive_cap,
+            memory_path=config.adaptive_cap.memory_file(config.predictor.snapshot_path),
         )
         dispatcher = Dispatcher(policy, pool, config)  # listens to the pool's capacity
     else:  # a worker of `serve --workers N`: the authority's pool and queue

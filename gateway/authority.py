@@ -139,7 +139,9 @@ class Authority:
         )
         self.pool = BackendPool(config.backends, self._session,
                                 health_interval_s=config.health_interval_s,
-                                adaptive=config.adaptive_cap)  # fmt: skip
+                                adaptive=config.adaptive_cap,
+                                memory_path=config.adaptive_cap.memory_file(
+                                    config.predictor.snapshot_path))  # fmt: skip
         self.dispatcher = Dispatcher(policy, self.pool, config)
         self.metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
         self.metrics.watch(self.pool, self.dispatcher)

@@ -5,13 +5,16 @@ only orders anything if the backlog waits here. Each backend therefore runs at m
 requests; the rest wait in the gateway queue.
 
 Self-tuning cap (on by default, `AdaptiveCapConfig`): one loop per backend scrapes its
-`/metrics` (`read_sample`: waiting requests, KV usage, generated-token counter) and feeds a
-`policies.capacity.CapController`, the same control law the simulator runs on its engine
-model: shrink when vLLM's own queue forms or its KV fills, otherwise hill-climb on token
-throughput toward the efficient batch. Scrapes come every `interval_s` (faster while
-slow-starting); a failed scrape is skipped, a missing series is unknown (not 0), and a server
-with several engines (label `engine`) counts the sum of their queues and counters and the
-fullest engine's KV. The cap starts at the backend's `max_inflight` and stays within the
+`/metrics` (`read_sample`: waiting and running requests, KV usage and capacity, the generated-
+and prompt-token counters, the iteration count) and feeds a `policies.capacity.CapController`,
+the same control law the simulator runs on its engine model: it fits the engine's iteration
+time against its batch, sets the cap at the efficient batch of that curve, and shrinks it when
+vLLM's own queue forms or its KV fills. Scrapes come every `interval_s` (faster while the
+curve is unknown); a failed scrape is skipped, a missing series is unknown (not 0), and a
+server with several engines (label `engine`) counts the sum of their queues and counters and
+the fullest engine's KV. The fitted curves are remembered in a small JSON file
+(`AdaptiveCapConfig.memory_file`), so a restarted gateway starts at the last efficient batch.
+The cap starts at the backend's `max_inflight` (or the remembered batch) and stays within the
 adaptive config's [min_inflight, max_inflight].
 
 Capacity changes (a slot released, a backend turned healthy, a cap grown) are announced to the
@@ -25,9 +28,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -37,6 +42,8 @@ from policies.capacity import CapController, CapLaw, EngineSample, combine_kv
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+MEMORY_SAVE_S = 60.0
+"""Seconds between writes of the curve memory (also written at stop)."""
 NO_METRICS_RETRY_S = 30.0
 """A backend that answered 404 for `/metrics` (not vLLM) is asked again after this long,
 not every quarter second of a slow start that never ends without samples."""
@@ -49,9 +56,6 @@ class Backend:
     config: BackendConfig
     cap: int
     inflight: int = 0
-    finished: int = 0
-    """Requests released since start (done, failed or aborted): the cap controller's
-    turnover count."""
     healthy: bool = False
     models: frozenset[str] = field(default_factory=frozenset)
     discovered: list[dict[str, object]] = field(default_factory=list)
@@ -84,42 +88,87 @@ def cap_law(cfg: AdaptiveCapConfig) -> CapLaw:
         max_cap=cfg.max_inflight,
         kv_high=cfg.kv_high,
         waiting_high=cfg.waiting_high,
+        plateau_fraction=cfg.plateau_fraction,
     )
 
 
+def memory_key(b: Backend) -> str:
+    """A backend's entry in the curve memory: its URL and the models it serves (another
+    model on the same server is another engine)."""
+    return f"{b.url} {','.join(sorted(b.models))}"
+
+
+def load_memory(path: str | None) -> dict[str, Any]:
+    """The curve memory file (`AdaptiveCapConfig.memory_path`): {key: controller memory}.
+    A missing or unreadable file is an empty memory (logged), never an error."""
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        log.warning("cap memory %s unreadable (%s): starting cold", path, e)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_memory(path: str, entries: dict[str, Any]) -> None:
+    """Write the curve memory atomically (temporary file, fsync, rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(entries, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 """V1's name, then V0's (same meaning)."""
 GENERATED = ("vllm:generation_tokens_total", "vllm:generation_tokens")
-_WANTED_PREFIXES = (WAITING, *KV_USAGE, *GENERATED)
+PROMPT = ("vllm:prompt_tokens_total", "vllm:prompt_tokens")
+ITERATIONS = "vllm:iteration_tokens_total_count"
+"""The count of vLLM's tokens-per-iteration histogram: one per engine iteration."""
+CACHE_CONFIG = "vllm:cache_config_info"
+"""An info series whose labels carry `num_gpu_blocks` and `block_size`."""
+_WANTED = {WAITING, RUNNING, *KV_USAGE, *GENERATED, *PROMPT, ITERATIONS}
+_WANTED_PREFIXES = (*_WANTED, CACHE_CONFIG)
 
 
 def read_sample(text: str) -> EngineSample:
     """vLLM's `/metrics` text → `EngineSample`. A series absent from the text is unknown
-    (None); samples of several engines (label `engine`) or models are summed for the queue and
-    the token counter, and the KV usage is the fullest engine's (`combine_kv`), never a sum
-    above 1. Only the lines of the wanted series are parsed: vLLM's exposition has hundreds of
-    histogram lines, ~12 us each to parse, scraped every second (text without them reads as
-    all unknown). Raises ValueError when a wanted line is malformed."""
+    (None); samples of several engines (label `engine`) or models are summed for the queues,
+    the batch and the counters, and the KV usage is the fullest engine's (`combine_kv`), never
+    a sum above 1. Only the lines of the wanted series are parsed: vLLM's exposition has
+    hundreds of histogram lines, ~12 us each to parse, scraped every second (text without
+    them reads as all unknown). Raises ValueError when a wanted line is malformed."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, list[float]] = {}
-    wanted = {WAITING, *KV_USAGE, *GENERATED}
+    capacity = 0.0
     lines = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES))
     for family in text_string_to_metric_families(lines):
         for sample in family.samples:
-            if sample.name in wanted:
+            if sample.name in _WANTED:
                 values.setdefault(sample.name, []).append(float(sample.value))
+            elif sample.name == CACHE_CONFIG:
+                labels = sample.labels
+                with contextlib.suppress(KeyError, ValueError):
+                    capacity += float(labels["num_gpu_blocks"]) * float(labels["block_size"])
 
-    def first(names: tuple[str, ...]) -> list[float]:
-        return next((values[n] for n in names if n in values), [])
+    def total(*names: str) -> float | None:
+        found = next((values[n] for n in names if n in values), None)
+        return sum(found) if found else None
 
-    waiting = values.get(WAITING)
-    generated = first(GENERATED)
     return EngineSample(
-        waiting=sum(waiting) if waiting else None,
-        kv_usage=combine_kv(first(KV_USAGE)),
-        generation_tokens=sum(generated) if generated else None,
+        waiting=total(WAITING),
+        kv_usage=combine_kv(next((values[n] for n in KV_USAGE if n in values), [])),
+        generation_tokens=total(*GENERATED),
+        running=total(RUNNING),
+        prompt_tokens=total(*PROMPT),
+        iterations=total(ITERATIONS),
+        kv_capacity_tokens=capacity or None,
     )
 
 
@@ -133,15 +182,19 @@ class BackendPool:
         *,
         health_interval_s: float,
         adaptive: AdaptiveCapConfig,
+        memory_path: str | None = None,
     ) -> None:
+        """`memory_path`: the curve memory file (`AdaptiveCapConfig.memory_file`), read at
+        `start` and written every `MEMORY_SAVE_S` and at `stop`."""
         self.backends = [
             Backend(c, cap=c.max_inflight, models=frozenset(c.models)) for c in configs
         ]
-        if adaptive.enabled:
-            law = cap_law(adaptive)
+        self._law = cap_law(adaptive) if adaptive.enabled else None
+        self._memory_path = memory_path
+        self._memory: dict[str, Any] = {}
+        if self._law is not None:
             for b in self.backends:
-                b.controller = CapController(law, b.cap)
-                b.cap = b.controller.cap
+                b.controller = CapController(self._law, b.cap)
         self._session = session
         self._listeners: list[Callable[[], None]] = []
         self._interval = health_interval_s
@@ -160,12 +213,23 @@ class BackendPool:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Check every backend once, then keep checking in the background."""
+        """Check every backend once, start each self-tuning cap from its remembered curve
+        (if any), then keep checking in the background."""
         await asyncio.gather(*(self.check(b) for b in self.backends))
+        self._memory = load_memory(self._memory_path)
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health-loop"))
         for b in self.backends:
-            if b.controller is not None:
-                self._tasks.append(asyncio.create_task(self._adapt_loop(b), name=f"cap-{b.name}"))
+            if b.controller is None or self._law is None:
+                continue
+            remembered = self._memory.get(memory_key(b))
+            if isinstance(remembered, dict):
+                b.controller = CapController(self._law, b.cap, memory=remembered)
+                if b.controller.confident():
+                    log.info("backend %s: remembered curve, cap %d", b.name, b.controller.cap)
+            self.set_cap(b, b.controller.cap)
+            self._tasks.append(asyncio.create_task(self._adapt_loop(b), name=f"cap-{b.name}"))
+        if self._memory_path and self._law is not None:
+            self._tasks.append(asyncio.create_task(self._memory_loop(), name="cap-memory"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -174,6 +238,26 @@ class BackendPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self.remember()
+
+    def remember(self) -> None:
+        """Write every fitted curve to the memory file (a backend with no evidence yet keeps
+        its old entry)."""
+        if not self._memory_path:
+            return
+        for b in self.backends:
+            memory = None if b.controller is None else b.controller.memory()
+            if memory is not None:
+                self._memory[memory_key(b)] = memory
+        try:
+            save_memory(self._memory_path, self._memory)
+        except OSError as e:
+            log.warning("cap memory %s not written: %s", self._memory_path, e)
+
+    async def _memory_loop(self) -> None:
+        while True:
+            await asyncio.sleep(MEMORY_SAVE_S)
+            self.remember()
 
     # -- queries ------------------------------------------------------------------------
 
@@ -214,7 +298,6 @@ class BackendPool:
 
     def release(self, b: Backend) -> None:
         b.inflight -= 1
-        b.finished += 1
         self._capacity()
 
     def mark_down(self, b: Backend) -> None:
@@ -279,7 +362,10 @@ class BackendPool:
             sample = read_sample(text) if status == 200 else EngineSample()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return b.controller.interval_s  # no reading this time: wait for the next one
-        self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight, b.finished))
+        changes = b.controller.changes
+        self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight))
+        if b.controller.changes != changes:
+            log.warning("backend %s no longer matches its curve: learning it again", b.name)
         return NO_METRICS_RETRY_S if status == 404 else b.controller.interval_s
 
     def set_cap(self, b: Backend, new: int) -> None:

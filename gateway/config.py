@@ -73,6 +73,19 @@ class AdaptiveCapConfig:
     """KV-cache usage above which the cap shrinks."""
     waiting_high: float = 2.0
     """vLLM waiting requests above which the cap shrinks."""
+    plateau_fraction: float = 0.85
+    """The cap is the smallest batch whose fitted throughput is this share of the engine's
+    plateau (docs/gateway.md, "The self-tuning cap")."""
+    memory_path: str | None = None
+    """JSON file the fitted engine curves are kept in (per backend and served model), so a
+    restarted gateway starts at the last efficient batch. None: beside the predictor snapshot
+    (`<snapshot_path>.engines.json`) when there is one, else not kept."""
+
+    def memory_file(self, snapshot_path: str | None) -> str | None:
+        """Where the curves are kept, given the predictor's snapshot path."""
+        if self.memory_path:
+            return self.memory_path
+        return f"{snapshot_path}.engines.json" if snapshot_path else None
 
 
 @dataclass(frozen=True)

@@ -3,39 +3,38 @@
 Why a cap: vLLM admits every request into its own FCFS queue, so a gateway policy orders
 anything only while the backlog waits in the gateway. Too small a cap throttles the engine;
 too large a cap leaves the backlog in vLLM's queue. The right cap is the engine's *efficient
-batch*: the most requests it runs at once before extra ones stop adding throughput, stop
-fitting in KV, or start waiting inside it.
+batch*: the smallest batch whose throughput is within `plateau_fraction` of what the engine
+can do at all, as long as it fits in KV and nothing waits inside the engine.
 
-`CapController` finds it from what the engine itself reports (vLLM's `/metrics` in the
+`CapController` estimates it from what the engine itself reports (vLLM's `/metrics` in the
 gateway; the engine model's state in the simulator), one `observe` per sample:
 
-1. **Limits.** vLLM's waiting queue above `waiting_high` in two samples in a row (one
-   prompt waiting a step for the token budget is no full batch): the engine runs only about
-   `inflight - waiting` (its `max_num_seqs`, or what its KV admits), so the cap
-   drops to that plus `waiting_high`. KV usage above `kv_high`: the engine is about to
-   preempt; the cap shrinks by `backoff` (multiplicative decrease).
-2. **No information.** The gateway does not fill the cap (fewer than `busy_fraction` × cap in
-   flight): demand, not the cap, sets the batch; the cap holds. More than the cap in flight
-   (just lowered): the new level is not in force yet; the measurement waits.
-3. **Hill climb on throughput.** Otherwise each cap level is held for `settle` samples and
-   until `turnover` × cap requests have finished (the batch's mix of fresh and old requests
-   has settled), then its generation-token rate is measured over `dwell` samples, extended
-   (up to 4×) until the window spans `min_iterations` engine iterations. Between two levels
-   the elasticity e = Δln(rate) / Δln(cap) says where the efficient batch lies: e ≥
-   `min_elasticity` (a larger batch still buys throughput in proportion) → go up; below →
-   go down. A move that did not pay is undone (back to the level before) and halves the
-   step. Levels grow by `slow_start_factor` at first (slow start: `settle`, then one sample
-   per level, every `slow_start_interval_s`: under overload every second at a small cap
-   builds a backlog that never drains) and by `step` after the first reversal or limit, the
-   step doubling from the fourth move the same way on (up to `max_step`), so the cap settles
-   within about ±`step` of the point where the elasticity drops below `min_elasticity`.
-   Without a throughput series (unknown) the cap grows by `step` while the engine shows no
-   queue and KV room (plain AIMD).
+1. **Fit the curve.** Every interval between two samples in which the engine ran is one
+   observation of its iteration time against the batch it ran, the context it held and the
+   prompt tokens it prefilled (`policies.engine_fit.EngineFit`: weighted least squares over
+   every sample seen, old ones fading with `half_life_s`). The fit gives the throughput curve
+   T(B) = B / (alpha + beta' B) at the current mix, its plateau 1 / beta', and the efficient
+   batch B_f = f / (1 - f) · alpha / beta' with a standard error.
+2. **Limits.** vLLM's waiting queue above `waiting_high` in two samples in a row (one prompt
+   waiting a step for the token budget is no full batch): the engine runs only about
+   `inflight - waiting` (its `max_num_seqs`, or what its KV admits), so the cap drops to that
+   plus `waiting_high`. KV usage above `kv_high`: the engine is about to preempt; the cap
+   shrinks by `backoff`. Either way the lowered cap is a ceiling for `limit_hold_s`.
+3. **Set the cap from the curve** once B_f's relative standard error is at most
+   `confident_error`: the cap goes to B_f (moves smaller than `deadband` are not made, so a
+   settled cap stays put). While the curve is uncertain the controller explores: from a cold
+   start it doubles the cap each sample while the cap binds (slow start, every
+   `slow_start_interval_s`), then it alternates `explore_step` above and below the estimate,
+   so the batch varies and the fit can tell the fixed cost from the per-request cost.
+4. **Remember.** `memory()` is the fit's state; a controller built with it (`memory=`) starts
+   at the remembered efficient batch. If the engine no longer matches the remembered curve
+   (the median relative error of the last `change_window` intervals above `change_error`:
+   new hardware, new flags) the fit starts over and `changes` counts it.
 
 A series the engine does not report is *unknown* (`None`), never 0: an unknown queue or KV
-usage is no limit, an unknown throughput disables the climb, and with nothing known at all
-the cap holds where it was configured. A counter that goes backwards
-(engine restart) restarts the measurement.
+usage is no limit, without a token counter nothing is fitted and the cap grows like AIMD while
+the engine shows no queue, and with nothing known at all the cap holds where it was
+configured. A counter that goes backwards (engine restart) skips that interval.
 
 Everything here is pure: time is a number passed in (wall seconds in the gateway, virtual
 seconds in the simulator), so both run the same controller.
@@ -44,7 +43,13 @@ seconds in the simulator), so both run the same controller.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
+from policies.cost import LinearProfile
+from policies.engine_fit import EngineFit, Interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,14 @@ class EngineSample:
     """KV-cache usage in [0, 1] (vLLM `kv_cache_usage_perc`)."""
     generation_tokens: float | None = None
     """Cumulative output tokens generated (vLLM `generation_tokens_total`)."""
+    running: float | None = None
+    """Requests in the engine's running batch (vLLM `num_requests_running`)."""
+    prompt_tokens: float | None = None
+    """Cumulative prompt tokens prefilled (vLLM `prompt_tokens_total`)."""
+    iterations: float | None = None
+    """Cumulative engine iterations (the count of vLLM's `iteration_tokens_total`)."""
+    kv_capacity_tokens: float | None = None
+    """Tokens the KV cache holds in all (vLLM `cache_config_info`: blocks × block size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +79,7 @@ class CapLaw:
     interval_s: float = 1.0
     """Seconds between samples (the caller samples every `CapController.interval_s`)."""
     slow_start_interval_s: float = 0.25
-    """Seconds between samples during slow start."""
+    """Seconds between samples while the curve is still unknown."""
     min_cap: int = 1
     max_cap: int = 1024
     kv_high: float = 0.95
@@ -74,32 +87,35 @@ class CapLaw:
     waiting_high: float = 2.0
     """Engine waiting requests above which the cap shrinks (a few may wait for one step)."""
     backoff: float = 0.125
-    """Multiplicative decrease on a limit."""
-    step: float = 0.125
-    """Relative move of the hill climb after slow start."""
-    max_step: float = 0.5
-    """Largest relative move of the hill climb (the step doubles up to it on a long run of
-    moves the same way). ×2 per level, once tried, crossed a knee at 28 from 21 to 84, and
-    the over-full engine took 12 s to drain back."""
-    slow_start_factor: float = 2.0
-    """Growth per sample during slow start (from a cold start, before the first limit)."""
-    min_elasticity: float = 0.5
-    """Elasticity of throughput to the cap below which the batch counts as saturated."""
-    settle: int = 1
-    """Samples skipped after a move (the new requests' prefill)."""
+    """Multiplicative decrease on a KV limit."""
+    limit_hold_s: float = 30.0
+    """A cap lowered by a limit is the most the curve may ask for during this long."""
+    plateau_fraction: float = 0.85
+    """The efficient batch is the smallest whose throughput is this share of the plateau
+    (elasticity of throughput to the batch 1 - f). Chosen on the real vLLM CPU build, whose
+    iterations are dominated by prefill: its fitted curve puts 0.85 at a batch of ~8, the
+    best fixed cap measured there (docs/validation.md)."""
+    confident_error: float = 0.2
+    """Relative standard error of the efficient batch below which the curve is trusted."""
+    min_observations: float = 4.0
+    """Intervals the fit needs before it is trusted at all."""
+    explore_step: float = 0.5
+    """While the curve is uncertain: relative distance above and below the estimate the cap
+    alternates between."""
     dwell: int = 2
-    """Samples a level is measured over."""
-    min_iterations: int = 8
-    """Engine iterations (generated tokens / requests in flight) a level's window must span
-    before it is judged: a 0.25 s slow-start sample holds only a few slow iterations, and a
-    rate over so few is noise that can send slow start past the batch."""
-    turnover: float = 0.5
-    """After slow start, a level is measured only once this share of its cap has finished
-    since it came into force (when the caller counts finished requests). Until then the batch
-    still holds the old level's mix of requests: after a move up, fresh ones with short
-    contexts run fast; after a move down, old ones with long contexts run slow. Judged
-    earlier, that bias alone (one level up ≈ +0.4 elasticity) walked the emulator's cap
-    from a knee at 24 up to 48-61."""
+    """Samples an exploration level is held."""
+    deadband: float = 0.1
+    """Relative change of the efficient batch below which a settled cap is not moved."""
+    slow_start_factor: float = 2.0
+    """Growth per sample during slow start (cold, the curve not known yet)."""
+    half_life_s: float = 300.0
+    """Observed seconds after which an interval counts half in the fit."""
+    change_window: int = 6
+    """Intervals judged against the curve to tell that the engine changed."""
+    change_error: float = 0.3
+    """Relative error beyond which an interval is held out of the fit; a median error of the
+    last `change_window` intervals beyond it says the engine is no longer the one the curve
+    was fitted on."""
     busy_fraction: float = 0.9
     """The cap binds while at least this share of it is in flight."""
 
@@ -110,60 +126,97 @@ class CapLaw:
             raise ValueError("need 1 <= min_cap <= max_cap")
         if self.interval_s <= 0 or self.slow_start_interval_s <= 0:
             raise ValueError("need interval_s > 0")
-        if self.min_iterations < 0:
-            raise ValueError("need min_iterations >= 0")
-        if not 0 < self.step <= self.max_step:
-            raise ValueError("need 0 < step <= max_step")
-        if self.dwell < 1 or self.settle < 0 or not 0 < self.backoff < 1:
-            raise ValueError("need dwell >= 1, settle >= 0, 0 < backoff < 1")
+        if not 0 < self.plateau_fraction < 1:
+            raise ValueError("need 0 < plateau_fraction < 1")
+        if not 0 < self.explore_step < 1 or self.confident_error <= 0:
+            raise ValueError("need 0 < explore_step < 1 and confident_error > 0")
+        if self.dwell < 1 or not 0 < self.backoff < 1 or self.change_window < 2:
+            raise ValueError("need dwell >= 1, 0 < backoff < 1, change_window >= 2")
+
+
+@dataclass(slots=True)
+class _Reading:
+    """The previous sample's counters and the gateway's in-flight count then."""
+
+    now: float
+    sample: EngineSample
+    inflight: int
 
 
 class CapController:
-    """One engine's cap. Call `observe` once per sample, in time order; read `cap`."""
+    """One engine's cap. Call `observe` once per sample, in time order; read `cap`.
 
-    def __init__(self, law: CapLaw, cap: int) -> None:
+    `memory`: a previous controller's `memory()` for the same engine (a restart): the cap
+    starts at the remembered efficient batch instead of `cap`. A malformed memory is ignored.
+    """
+
+    def __init__(self, law: CapLaw, cap: int, memory: dict[str, Any] | None = None) -> None:
         self.law = law
         self.cap = self._clamp(cap)
+        self.fit = EngineFit(law.half_life_s)
         self.slow_start = True
-        self._streak = 0
-        """Consecutive climb moves up (> 0) or down (< 0)."""
-        self._step = law.step
+        self._settled = False
+        self.changes = 0
+        """Times the engine stopped matching its curve and the fit started over."""
+        self._last: _Reading | None = None
         self._waiting: float | None = None
         """The engine queue at the previous sample."""
-        self.rate: float | None = None
-        """Throughput of the last level measured (tokens per second), if any."""
-        self._prev: tuple[int, float] | None = None
-        """(cap, rate) of the last level measured."""
-        self._last: tuple[float, float] | None = None
-        """(time, generation counter) of the previous sample."""
-        self._skip = law.settle
-        self._finished: int | None = None
-        """The caller's count of finished requests at the latest sample."""
-        self._mark: int | None = None
-        """That count when the current level came into force."""
-        self._tokens = 0.0
-        self._seconds = 0.0
-        self._samples = 0
+        self._ceiling: tuple[int, float] | None = None
+        """(cap, until) set by the last limit."""
+        self._errors: deque[float] = deque(maxlen=law.change_window)
+        """Relative errors of the last intervals against the curve."""
+        self._suspects: deque[Interval] = deque(maxlen=law.change_window)
+        """The last intervals held out of the fit as too far off the curve."""
+        self._explore = (1, 0)
+        """(direction, samples held) of the exploration dither."""
+        if memory is not None:
+            self._recall(memory)
 
     @property
     def interval_s(self) -> float:
         """Seconds until the caller should sample again."""
         return self.law.slow_start_interval_s if self.slow_start else self.law.interval_s
 
-    def observe(
-        self, now: float, sample: EngineSample, inflight: int, finished: int | None = None
-    ) -> int:
-        """One sample at time `now` with `inflight` requests of the gateway on this engine;
-        `finished`: the caller's running count of requests that left this engine (None:
-        not counted, a level is judged after `settle` samples alone). Returns the (possibly
-        new) cap."""
+    def efficient_batch(self) -> tuple[float, float] | None:
+        """(B_f, relative standard error) of the fitted curve, None while it has none (too
+        few intervals, or all at nearly one batch: a fixed cost and a per-request cost cannot
+        be told apart from one batch size)."""
+        low, high = self.fit.batch_span
+        if self.fit.observations < self.law.min_observations or high < MIN_SPAN * low:
+            return None
+        return self.fit.efficient_batch(self.law.plateau_fraction)
+
+    def confident(self) -> bool:
+        """Is the fitted curve trusted (it sets the cap)? Once trusted it stays so until its
+        error doubles (hysteresis: an error hovering at the bound does not flip the cap
+        between settling and exploring)."""
+        est = self.efficient_batch()
+        bound = self.law.confident_error * (2.0 if self._settled else 1.0)
+        self._settled = est is not None and est[1] <= bound
+        return self._settled
+
+    def profile(self) -> LinearProfile | None:
+        """The engine's per-request cost at the current cap (the `time` cost model), once
+        the curve is trusted; None before."""
+        return self.fit.profile(self.cap) if self.confident() else None
+
+    def memory(self) -> dict[str, Any] | None:
+        """What a restarted controller needs (JSON-ready): the fit (all the evidence so far,
+        so confidence builds across restarts) and the cap; None before any evidence."""
+        if self.fit.observations < self.law.min_observations:
+            return None
+        return {"fit": self.fit.to_dict(), "cap": self.cap}
+
+    def observe(self, now: float, sample: EngineSample, inflight: int) -> int:
+        """One sample at time `now` with `inflight` requests of the gateway on this engine.
+        Returns the (possibly new) cap."""
         law = self.law
-        self._finished = finished
-        if self._mark is None:
-            self._mark = finished  # the configured level counts from the first sample
         if sample == EngineSample():
             return self.cap  # nothing known (no metrics endpoint): keep the configured cap
-        delta = self._counter_delta(now, sample.generation_tokens)
+        last, self._last = self._last, _Reading(now, sample, inflight)
+        interval = None if last is None else _interval(last, self._last)
+        if interval is not None:
+            self._learn(interval)
         # a queue counts once it is seen twice in a row: a prompt waiting one step for the
         # token budget is no sign of a full batch
         last_waiting, self._waiting = self._waiting, sample.waiting
@@ -174,123 +227,170 @@ class CapController:
         )
         full = sample.kv_usage is not None and sample.kv_usage > law.kv_high
         if queued or full:
-            self.slow_start = False
-            self._prev = None
-            self._streak, self._step = 0, self.law.step
-            new = self.cap - max(1, math.ceil(self.cap * law.backoff)) if full else self.cap - 1
-            if queued:
-                # the engine runs about `inflight - waiting`: cap there plus the allowance
-                assert sample.waiting is not None
-                waiting = min(sample.waiting, last_waiting or 0.0)
-                new = min(new, inflight - math.ceil(waiting) + int(law.waiting_high))
-            return self._move(new)
-        if not law.busy_fraction * self.cap <= inflight <= self.cap:
-            # below: demand sets the batch; above: a lower cap is not in force until enough
-            # requests finished, and measuring now would credit it with the old batch's rate
-            self._restart_level()
-            return self.cap
-        if self._skip > 0:
-            self._skip -= 1
-            return self.cap
-        if not self.slow_start and not self._turned_over():
-            return self.cap  # the batch still holds the previous level's mix
-        if delta is None:
-            if sample.generation_tokens is None:  # no throughput series: plain AIMD growth
-                return self._move(self._up(self.cap))
-            self._restart_level()
-            return self.cap
-        self._tokens += delta[0]
-        self._seconds += delta[1]
-        self._samples += 1
-        needed = 1 if self.slow_start else law.dwell
-        iterations = self._tokens / max(1, inflight)
-        if self._samples < needed or (
-            iterations < law.min_iterations and self._samples < 4 * needed
-        ):
-            return self.cap  # too short a window: keep measuring (at most 4x as long)
-        return self._judge(self._tokens / self._seconds if self._seconds > 0 else 0.0)
+            return self._limit(now, sample, inflight, last_waiting, full=full)
+        if sample.generation_tokens is None:
+            # no throughput series: plain AIMD growth while the engine has room
+            binding = inflight >= law.busy_fraction * self.cap
+            return self._move(self._grown() if binding else self.cap, now)
+        return self._move(self._target(inflight), now)
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _judge(self, rate: float) -> int:
-        """A level was measured: climb up or down."""
-        self.rate = rate
-        prev, self._prev = self._prev, (self.cap, rate)
-        if prev is None or prev[0] == self.cap:
-            return self._move(self._up(self.cap))
-        up = _elasticity(prev, (self.cap, rate)) >= self.law.min_elasticity
-        if self.slow_start:
-            if up:
-                return self._move(self._up(self.cap))
+    def _learn(self, interval: Interval) -> None:
+        """Judge the interval against the curve, then fit it. An interval the curve misses by
+        more than `change_error` is held out (a transient must not bend the curve); when the
+        median error of the last `change_window` intervals is that far off, the engine has
+        changed: the fit starts over from the held-out intervals."""
+        law = self.law
+        error = (
+            self.fit.residual(interval) if self.fit.observations >= law.min_observations else None
+        )
+        if error is None:
+            self.fit.add(interval)
+            return
+        self._errors.append(error)
+        if abs(error) <= law.change_error:
+            self.fit.add(interval)
+            return
+        self._suspects.append(interval)
+        window = self._errors
+        if len(window) == window.maxlen and abs(statistics.median(window)) > law.change_error:
+            self.fit = EngineFit(law.half_life_s)  # a different engine: start over
+            for held in self._suspects:
+                self.fit.add(held)
+            self._errors.clear()
+            self._suspects.clear()
+            self._settled = False
+            self.changes += 1
+
+    def _limit(
+        self,
+        now: float,
+        sample: EngineSample,
+        inflight: int,
+        last_waiting: float | None,
+        *,
+        full: bool,
+    ) -> int:
+        law = self.law
+        self.slow_start = False
+        new = self.cap - max(1, math.ceil(self.cap * law.backoff)) if full else self.cap - 1
+        if sample.waiting is not None and not full:
+            # the engine runs about `inflight - waiting`: cap there plus the allowance
+            waiting = min(sample.waiting, last_waiting or 0.0)
+            new = min(new, inflight - math.ceil(waiting) + int(law.waiting_high))
+        new = self._clamp(new)
+        self._ceiling = (new, now + law.limit_hold_s)
+        return self._move(new, now)
+
+    def _target(self, inflight: int) -> int:
+        """Where the curve says the cap belongs, or the next exploration level."""
+        law = self.law
+        est = self.efficient_batch()
+        if est is not None and self.confident():
             self.slow_start = False
-            self._streak, self._step = 0, self.law.step
-        if (self.cap > prev[0]) != up:
-            # the last move did not pay: undo it (the level before was measured better),
-            # a reversal, so the step halves. A ×1.5 overshoot past the batch comes back in
-            # one level instead of three.
-            self._factor(1 if up else -1)
-            return self._move(prev[0])
-        return self._move(self._up(self.cap) if up else self._down(self.cap))
-
-    def _factor(self, direction: int) -> float:
-        """Step factor of a climb move. From the fourth move in the same direction on, the
-        step doubles with every further one (up to `max_step`), so a far-off batch is reached in a
-        few levels; a reversal halves it (down to `step`), so the climb closes in on the
-        batch instead of circling it."""
-        if self._streak * direction > 0:
-            self._streak += direction
-            if abs(self._streak) >= 4:
-                self._step = min(self.law.max_step, self._step * 2.0)
+            target = round(est[0])
+            if abs(target - self.cap) <= law.deadband * self.cap:
+                return self.cap  # settled: noise in the estimate does not move the cap
+            return target
+        binding = inflight >= law.busy_fraction * self.cap
+        if not binding:
+            return self.cap  # demand, not the cap, sets the batch: nothing to explore
+        if self.slow_start and (est is None or self.cap < 2 * est[0]):
+            # each level held `dwell` samples: the first interval after a move is not steady
+            direction, held = self._explore
+            if held + 1 < law.dwell:
+                self._explore = (direction, held + 1)
+                return self.cap
+            self._explore = (direction, 0)
+            return self._grown()
+        self.slow_start = False
+        centre = est[0] if est is not None else self.cap * (1 + law.explore_step)
+        direction, held = self._explore
+        if held + 1 >= law.dwell:
+            direction, held = -direction, 0
         else:
-            if self._streak != 0:
-                self._step = max(self.law.step, self._step / 2.0)
-            self._streak = direction
-        return 1.0 + self._step
+            held += 1
+        self._explore = (direction, held)
+        return max(1, round(centre * (1 + direction * law.explore_step)))
 
-    def _up(self, cap: int) -> int:
-        factor = self.law.slow_start_factor if self.slow_start else self._factor(1)
-        return max(cap + 1, round(cap * factor))
+    def _grown(self) -> int:
+        factor = self.law.slow_start_factor if self.slow_start else 1 + self.law.explore_step
+        return max(self.cap + 1, round(self.cap * factor))
 
-    def _down(self, cap: int) -> int:
-        return min(cap - 1, round(cap / self._factor(-1)))
-
-    def _move(self, cap: int) -> int:
-        new = self._clamp(cap)
-        if new != self.cap:
-            self.cap = new
-            self._restart_level()
+    def _move(self, cap: int, now: float) -> int:
+        if self._ceiling is not None:
+            ceiling, until = self._ceiling
+            if now < until:
+                cap = min(cap, ceiling)
+            else:
+                self._ceiling = None
+        self.cap = self._clamp(cap)
         return self.cap
 
-    def _turned_over(self) -> bool:
-        if self._finished is None or self._mark is None:
-            return True
-        return self._finished - self._mark >= self.law.turnover * self.cap
-
-    def _restart_level(self) -> None:
-        self._mark = self._finished
-        self._skip = self.law.settle
-        self._tokens = self._seconds = 0.0
-        self._samples = 0
+    def _recall(self, memory: dict[str, Any]) -> None:
+        try:
+            fit = EngineFit.from_dict(memory["fit"])
+            cap = int(memory.get("cap", self.cap))
+        except (KeyError, TypeError, ValueError):
+            return  # not a memory of this format: start cold
+        fit.half_life_s = self.law.half_life_s
+        self.fit = fit
+        self.cap = self._clamp(cap)
+        if self.confident():
+            self.slow_start = False
+            est = self.efficient_batch()
+            assert est is not None
+            self.cap = self._clamp(round(est[0]))
 
     def _clamp(self, cap: int) -> int:
         return max(self.law.min_cap, min(self.law.max_cap, cap))
 
-    def _counter_delta(self, now: float, counter: float | None) -> tuple[float, float] | None:
-        """(tokens, seconds) since the previous sample, or None when unknown or reset."""
-        last = self._last
-        self._last = None if counter is None else (now, counter)
-        if counter is None or last is None or counter < last[1] or now <= last[0]:
-            return None
-        return counter - last[1], now - last[0]
+
+MIN_SPAN = 1.5
+"""The fit is used only once the batches it saw span at least this factor."""
+STEADY_BATCH = 1.25
+"""An interval is fitted only if the batch at its ends differs by at most this factor."""
 
 
-def _elasticity(a: tuple[int, float], b: tuple[int, float]) -> float:
-    """Δln(rate) / Δln(cap) between two measured levels (caps differ)."""
-    (cap_a, rate_a), (cap_b, rate_b) = a, b
-    if rate_a <= 0 or rate_b <= 0:
-        # no tokens at one level: a larger cap that produced some counts as paying
-        return 1.0 if (rate_b > rate_a) == (cap_b > cap_a) else 0.0
-    return math.log(rate_b / rate_a) / math.log(cap_b / cap_a)
+def _interval(last: _Reading, now: _Reading) -> Interval | None:
+    """What the engine did between two readings, if it ran throughout and its counters
+    moved forward; None otherwise."""
+    a, b = last.sample, now.sample
+    dt = now.now - last.now
+    if a.generation_tokens is None or b.generation_tokens is None or dt <= 0:
+        return None
+    tokens = b.generation_tokens - a.generation_tokens
+    if tokens <= 0:
+        return None
+    if a.running is not None and b.running is not None:
+        ends = (a.running, b.running)
+    else:
+        ends = (float(last.inflight), float(now.inflight))
+    if min(ends) < 1 or max(ends) > STEADY_BATCH * min(ends):
+        # idle at one end (part of the interval may have been idle), or the batch moved
+        # (after a cap change or while a burst drains): its mean batch is not known
+        return None
+    batch = (ends[0] + ends[1]) / 2
+    iterations = _delta(a.iterations, b.iterations)
+    if iterations is None or iterations <= 0:
+        iterations = tokens / batch
+    prompt = _delta(a.prompt_tokens, b.prompt_tokens) or 0.0
+    context = None
+    if (
+        a.kv_usage is not None
+        and b.kv_usage is not None
+        and b.kv_capacity_tokens is not None
+        and b.kv_capacity_tokens > 0
+    ):
+        context = (a.kv_usage + b.kv_usage) / 2 * b.kv_capacity_tokens
+    return Interval(dt, iterations, batch, max(prompt, 0.0), context)
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b < a:
+        return None
+    return b - a
 
 
 def combine_kv(values: list[float]) -> float | None:

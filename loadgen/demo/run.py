@@ -71,12 +71,14 @@ def write_warm_set(requests: Sequence[ReplayRequest], path: Path, holdout: bool)
 
 def gateway_config(path: Path, port: int, backend: str, policy: str, cap: int | None,
                    warm: Path | None, *, adaptive: bool = True, priority: bool = False,
-                   capture: Path | None = None) -> Path:  # fmt: skip
+                   capture: Path | None = None,
+                   cap_memory: Path | None = None) -> Path:  # fmt: skip
     """A `sagesched serve --config` file: one backend, the predictor (if the policy needs
     one) warm-started from the JSONL `warm` (may be gzipped). `cap`: the backend's
     `max_inflight` (None: the shipped default), where the self-tuning cap starts, or the fixed
     cap with `adaptive=False`. `priority`: the backend runs vLLM priority scheduling.
-    `capture`: the folder the gateway records its traffic to (`serve --capture`)."""
+    `capture`: the folder the gateway records its traffic to (`serve --capture`).
+    `cap_memory`: the file the self-tuning cap remembers its fitted curve in."""
     import yaml
 
     backend_cfg: dict[str, object] = {"url": backend}
@@ -93,6 +95,8 @@ def gateway_config(path: Path, port: int, backend: str, policy: str, cap: int | 
     }
     if not adaptive:
         cfg["adaptive_cap"] = {"enabled": False}
+    elif cap_memory is not None:
+        cfg["adaptive_cap"] = {"memory_path": str(cap_memory)}
     if capture is not None:
         cfg["capture"] = {"dir": str(capture)}
     if warm is not None:

@@ -63,10 +63,18 @@ class LoopStats:
     kv_fraction: float = 0.0
     preemptions: int = 0
     iterations: int = 0
+    prompt_tokens: int = 0
+    """Prompt (and recompute) tokens prefilled so far."""
+    generated_tokens: int = 0
+    block_tokens: int = 16
+    kv_blocks: int = 0
+    """The KV cache's block size and block count (vLLM's `cache_config_info`)."""
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache (vLLM's counter)."""
     prefix_cache_hits: int = 0
     """Of those, tokens found cached."""
+    prefix_caching: bool = False
+    """Whether the engine caches prefixes (`cache_config_info`'s `enable_prefix_caching`)."""
 
 
 MAX_LAG_S = 0.05
@@ -234,9 +242,12 @@ class EngineLoop:
         st.running, st.waiting = len(eng.running), len(eng.waiting)
         st.kv_fraction = eng.kv_fraction() if not math.isnan(eng.kv_fraction()) else 0.0
         st.preemptions, st.iterations = eng.preemptions, eng.iterations
+        st.prompt_tokens, st.generated_tokens = eng.prompt_tokens, eng.generated_tokens
+        st.block_tokens, st.kv_blocks = eng.cfg.block_tokens, eng.cfg.kv_blocks
         st.prefix_cache_queries, st.prefix_cache_hits = (
             eng.prefix_cache_queries,
             eng.prefix_cache_hits,
         )
+        st.prefix_caching = eng.cache is not None
         if self._on_iteration is not None:
             self._on_iteration(st)

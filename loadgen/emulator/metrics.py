@@ -22,6 +22,7 @@ LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LABELS = ("model_name", "engine")
 
 
@@ -59,6 +60,22 @@ class EmulatorMetrics:
             LABELS,
             registry=r,
         )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            LABELS,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ("block_size", "num_gpu_blocks", "enable_prefix_caching"),
+            registry=r,
+        )
+        self._cache_declared = False
+        self._seen = (0, 0, 0)
+        """(iterations, prompt tokens, generated tokens) already exposed."""
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -88,6 +105,7 @@ class EmulatorMetrics:
             self.running, self.waiting, self.kv, self.preemptions, self.prompt_tokens,
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
             self.prefix_queries, self.prefix_hits,
+            self.iteration_tokens,
         )  # fmt: skip
         for m in series:  # expose every series from the start, as vLLM does
             m.labels(*lv)
@@ -106,6 +124,22 @@ class EmulatorMetrics:
             self.prefix_queries.labels(*lv).inc(st.prefix_cache_queries - queries)
             self.prefix_hits.labels(*lv).inc(st.prefix_cache_hits - hits)
             self._prefix_seen = (st.prefix_cache_queries, st.prefix_cache_hits)
+        if not self._cache_declared and st.kv_blocks:
+            caching = str(st.prefix_caching)
+            self.cache_config.labels(str(st.block_tokens), str(st.kv_blocks), caching).set(1)
+            self._cache_declared = True
+        iterations, prompt, generated = self._seen
+        if st.prompt_tokens > prompt:
+            self.prompt_tokens.labels(*lv).inc(st.prompt_tokens - prompt)
+        steps = st.iterations - iterations
+        if steps > 0:
+            # one observation per iteration, each the iteration's mean tokens (a step of the
+            # engine model can cover several identical decode iterations)
+            per = (st.prompt_tokens - prompt + st.generated_tokens - generated) / steps
+            hist = self.iteration_tokens.labels(*lv)
+            for _ in range(steps):
+                hist.observe(per)
+        self._seen = (st.iterations, max(st.prompt_tokens, prompt), st.generated_tokens)
 
     def on_tokens(self, n: int, first_delay_s: float | None, gap_s: float | None) -> None:
         """`n` new tokens; the first-token delay or the gap since the previous tokens."""
@@ -119,11 +153,8 @@ class EmulatorMetrics:
             for _ in range(n):
                 self.itl.labels(*lv).observe(gap_s / n)
 
-    def on_finish(
-        self, prompt_tokens: int, e2e_s: float, queue_s: float | None, reason: str
-    ) -> None:
+    def on_finish(self, e2e_s: float, queue_s: float | None, reason: str) -> None:
         lv = self._lv
-        self.prompt_tokens.labels(*lv).inc(prompt_tokens)
         self.e2e.labels(*lv).observe(e2e_s)
         if queue_s is not None:
             self.queue.labels(*lv).observe(queue_s)

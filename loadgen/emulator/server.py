@@ -223,7 +223,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
 def _record_finish(state: AppState, req: EmuRequest, finish_reason: str) -> None:
     end = req.last_token_w or req.arrival_w
     queue = None if req.scheduled_w is None else req.scheduled_w - req.arrival_w
-    state.metrics.on_finish(req.prompt_tokens, end - req.arrival_w, queue, finish_reason)
+    state.metrics.on_finish(end - req.arrival_w, queue, finish_reason)
 
 
 async def _whole(reqs: list[EmuRequest], event: asyncio.Event) -> None:

@@ -118,6 +118,8 @@ class Engine:
         self.preemptions = 0
         self.generated_tokens = 0
         """Output tokens generated so far (vLLM's `generation_tokens_total`)."""
+        self.prompt_tokens = 0
+        """Prompt (and recompute) tokens prefilled so far (vLLM's `prompt_tokens_total`)."""
         self.cache = PrefixCache(config.block_tokens) if config.prefix_caching and paged else None
         """The prefix cache (None: off, or the admission KV model)."""
         self._last_iter_s = profile.iteration_s(1, 0, 0)
@@ -498,6 +500,7 @@ class Engine:
                 finished.append(seq)
         cache = self.cache
         for seq, chunk in b.prefills:
+            self.prompt_tokens += chunk
             seq.prefill_left -= chunk
             seq.kv += chunk
             if cache is not None and seq.hashes:

@@ -143,6 +143,8 @@ class GatewayArm:
     cap: int | None = None
     adaptive: bool = True
     priority: bool = False
+    cap_memory: Path | None = None
+    """The self-tuning cap's curve memory file (read at start, written at stop)."""
 
 
 CAP_SERIES = "sagesched_backend_inflight_cap"
@@ -181,7 +183,8 @@ def through_gateway(
         warm = tmp / "warm.jsonl"
         write_warm_set([], warm, holdout=False)
         cfg = gateway_config(tmp / f"gw-{arm.policy}.yaml", port, backend, arm.policy, arm.cap,
-                             warm, adaptive=arm.adaptive, priority=arm.priority)  # fmt: skip
+                             warm, adaptive=arm.adaptive, priority=arm.priority,
+                             cap_memory=arm.cap_memory)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         children.start("gateway", sagesched("serve", "--config", str(cfg)), url + "/ready",
                        240, env=ONE_THREAD)  # fmt: skip

@@ -55,11 +55,12 @@ from loadgen.sim.simulator import (
     SimResult,
     _jobs,
     align_to_grid,
+    engine_sample,
     resolve,
     snap_to_grid,
 )
 from policies.base import Key
-from policies.capacity import CapController, CapLaw, EngineSample
+from policies.capacity import CapController, CapLaw
 from policies.dist import LengthDist
 from policies.job import Job
 from policies.scheduler import Scheduler
@@ -266,9 +267,8 @@ class _ReplicaRun:
             if b.ctl is None or t < b.next_sample:
                 continue
             if sample is None:
-                waiting = float(len(e.waiting))
-                sample = EngineSample(waiting, e.kv_fraction(), float(e.generated_tokens))
-            b.ctl.observe(t, sample, b.inflight, b.released)
+                sample = engine_sample(e)
+            b.ctl.observe(t, sample, b.inflight)
             self.caps.append(float(sum(x.limit() or 0 for x in self.per_backend[k])))
             while b.next_sample <= t:  # one reading after an idle gap, as a scrape would see
                 b.next_sample += b.ctl.interval_s

@@ -95,6 +95,19 @@ class SimResult:
 
 
 @functools.lru_cache(maxsize=4096)
+def engine_sample(e: Engine) -> EngineSample:
+    """The engine model's state as the gateway reads vLLM's `/metrics`."""
+    return EngineSample(
+        waiting=float(len(e.waiting)),
+        kv_usage=e.kv_fraction(),
+        generation_tokens=float(e.generated_tokens),
+        running=float(len(e.running)),
+        prompt_tokens=float(e.prompt_tokens),
+        iterations=float(e.iterations),
+        kv_capacity_tokens=float(e.cfg.kv_tokens),
+    )
+
+
 def belief(predicted: float, sigma: float) -> LengthDist:
     """Log-normal belief (σ = `sigma`) centred on a frozen prediction, 16 equal-mass points.
 
@@ -244,9 +257,8 @@ class _Run:
     def _sample(self, t: float) -> None:
         """The cap controller reads the engine model as the gateway reads vLLM's /metrics."""
         assert self.ctl is not None
-        e = self.engine
-        sample = EngineSample(float(len(e.waiting)), e.kv_fraction(), float(e.generated_tokens))
-        self.caps.append(self.ctl.observe(t, sample, len(self.sched.running), self.released))
+        sample = engine_sample(self.engine)
+        self.caps.append(self.ctl.observe(t, sample, len(self.sched.running)))
         while self.next_sample <= t:  # one reading after an idle gap, as a scrape would see
             self.next_sample += self.ctl.interval_s
 

@@ -1,0 +1,271 @@
+"""An engine's iteration-time curve, fitted from what the engine reports: pure.
+
+Continuous-batching engines (vLLM, the engine model) run one iteration after another; each
+decodes one token for every running request and prefills some prompt tokens. Every profile
+this project has measured is close to linear in the iteration's shape (docs/policies.md,
+"The self-tuning cap"):
+
+    t_iter = alpha + beta * B + kappa * C + pi * P
+
+with B the running requests, C their summed context (tokens in KV) and P the prompt tokens
+prefilled in the iteration; alpha is the fixed cost of an iteration (weights read once, the
+scheduler's own work). `EngineFit` estimates (alpha, beta, kappa, pi) by weighted least squares
+over every busy interval between two readings of the engine's counters (`Interval`), old
+intervals fading with a half-life so a change of load is followed.
+
+Two things follow from the fit:
+
+- **The throughput curve and the efficient batch.** At the current mix (context per request
+  l, prompt tokens per iteration per request p), decode throughput at batch B is
+  T(B) = B / (alpha + beta' * B) with beta' = beta + kappa * l + pi * p, rising to the plateau
+  1 / beta'. The smallest batch within a fraction f of the plateau is
+  B_f = f / (1 - f) * alpha / beta' (`efficient_batch`), with its standard error from the
+  fit's covariance (delta method), so a caller knows when the curve is still uncertain.
+- **The engine's cost per request** (`profile`): the `LinearProfile` the `time` cost model and
+  SageSched's preemption rule read, at the batch the cap runs.
+
+Time is a number passed in; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from policies.cost import LinearProfile
+
+FEATURES = ("alpha", "beta", "kappa", "pi")
+"""Coefficient names, in the regression's column order (seconds, per request, per context
+token, per prompt token)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """What the engine did between two readings of its counters (it ran throughout)."""
+
+    seconds: float
+    iterations: float
+    """Engine iterations (vLLM's `iteration_tokens_total` count, or tokens / batch)."""
+    batch: float
+    """Mean running requests."""
+    prompt_tokens: float
+    """Prompt tokens prefilled in the interval."""
+    context_tokens: float | None = None
+    """Mean summed context of the running requests (KV usage x capacity), if known."""
+
+    def row(self) -> tuple[list[float], float]:
+        """(features per iteration, seconds per iteration)."""
+        n = self.iterations
+        ctx = 0.0 if self.context_tokens is None else self.context_tokens
+        return [1.0, self.batch, ctx, self.prompt_tokens / n], self.seconds / n
+
+
+class EngineFit:
+    """Weighted least squares of an engine's iteration time on its shape.
+
+    Call `add` once per busy interval, in time order. Each interval is one observation that
+    fades with `half_life_s` of later observed time; errors are taken as relative. Not
+    thread-safe.
+    """
+
+    def __init__(self, half_life_s: float = 300.0, ridge: float = 1e-9) -> None:
+        if half_life_s <= 0:
+            raise ValueError("need half_life_s > 0")
+        self.half_life_s = half_life_s
+        self._ridge = ridge
+        k = len(FEATURES)
+        self._xx = np.zeros((k, k))
+        self._xy = np.zeros(k)
+        self._yy = 0.0
+        self._w = 0.0
+        self._w2 = 0.0
+        self._mix = np.zeros(3)
+        """Faded sums of (batch, context, prompt tokens per iteration), weight `_w`."""
+        self._ctx_known = False
+        self._span = [math.inf, 0.0]
+        """Smallest and largest batch observed (not faded)."""
+        self._solved: tuple[np.ndarray, np.ndarray] | None = None
+
+    # -- observations -----------------------------------------------------------------------
+
+    def add(self, interval: Interval) -> None:
+        """One busy interval. Ignored when it ran no iteration or no time."""
+        if interval.iterations <= 0 or interval.seconds <= 0 or interval.batch <= 0:
+            return
+        fade = 0.5 ** (interval.seconds / self.half_life_s)
+        x_list, y = interval.row()
+        x = np.asarray(x_list)
+        # errors are relative (a 5% jitter at batch 500 is not 50x the one at batch 10):
+        # each row is weighted by 1 / y^2, so the fit minimises squared relative errors
+        r = 1.0 / (y * y)
+        self._xx = self._xx * fade + r * np.outer(x, x)
+        self._xy = self._xy * fade + r * x * y
+        self._yy = self._yy * fade + 1.0
+        self._w = self._w * fade + 1.0
+        self._w2 = self._w2 * fade * fade + 1.0
+        self._mix = self._mix * fade + x[1:]
+        self._ctx_known = self._ctx_known or interval.context_tokens is not None
+        self._span = [min(self._span[0], interval.batch), max(self._span[1], interval.batch)]
+        self._solved = None
+
+    @property
+    def observations(self) -> float:
+        """Effective number of observations ((sum w)^2 / sum w^2 of the faded weights)."""
+        return self._w * self._w / self._w2 if self._w2 > 0 else 0.0
+
+    @property
+    def batch_span(self) -> tuple[float, float]:
+        """(smallest, largest) mean batch seen; (inf, 0) before the first interval."""
+        return self._span[0], self._span[1]
+
+    # -- the fit ----------------------------------------------------------------------------
+
+    def coefficients(self) -> dict[str, float] | None:
+        """(alpha, beta, kappa, pi) in seconds, or None before the fit is determined.
+
+        A negative coefficient is not physical (more work never makes an iteration
+        shorter): its column is dropped and the rest refitted."""
+        solved = self._solve()
+        return None if solved is None else dict(zip(FEATURES, solved[0].tolist(), strict=True))
+
+    def mix(self) -> tuple[float, float, float]:
+        """Recent (batch, context per request, prompt tokens per iteration per request)."""
+        if self._w <= 0:
+            return 0.0, 0.0, 0.0
+        batch, ctx, prompt = (self._mix / self._w).tolist()
+        per = max(batch, 1e-9)
+        return batch, ctx / per, prompt / per
+
+    def step_s(
+        self, batch: float, context_tokens: float = 0.0, prompt_tokens: float = 0.0
+    ) -> float | None:
+        """Predicted seconds of one iteration of this shape (None before a fit)."""
+        solved = self._solve()
+        if solved is None:
+            return None
+        return float(solved[0] @ np.array([1.0, batch, context_tokens, prompt_tokens]))
+
+    def residual(self, interval: Interval) -> float | None:
+        """Relative error of the fit on `interval` ((seen - predicted) / predicted), or None."""
+        x, y = interval.row()
+        predicted = self.step_s(x[1], x[2], x[3])
+        if predicted is None or predicted <= 0 or interval.iterations <= 0:
+            return None
+        return (y - predicted) / predicted
+
+    def slope(self) -> float | None:
+        """beta' (seconds per extra running request at the recent mix), None before a fit."""
+        c = self.coefficients()
+        if c is None:
+            return None
+        _, ctx, prompt = self.mix()
+        return c["beta"] + c["kappa"] * ctx + c["pi"] * prompt
+
+    def efficient_batch(self, fraction: float) -> tuple[float, float] | None:
+        """(B_f, relative standard error) for throughput `fraction` of the plateau at the
+        recent mix; None while the curve shows no plateau (beta' <= 0) or no fixed cost."""
+        if not 0 < fraction < 1:
+            raise ValueError("need 0 < fraction < 1")
+        solved = self._solve()
+        if solved is None:
+            return None
+        theta, cov = solved
+        _, ctx, prompt = self.mix()
+        grad_slope = np.array([0.0, 1.0, ctx, prompt])
+        alpha, slope = float(theta[0]), float(theta @ grad_slope)
+        if alpha <= 0 or slope <= 0:
+            return None
+        ratio = fraction / (1 - fraction)
+        batch = ratio * alpha / slope
+        # d ln B / d theta = e_alpha / alpha - grad_slope / slope
+        g = np.array([1.0 / alpha, 0.0, 0.0, 0.0]) - grad_slope / slope
+        var = float(g @ cov @ g)
+        return batch, math.sqrt(max(var, 0.0))
+
+    def profile(self, batch: float) -> LinearProfile | None:
+        """The cost of one request decoding among `batch` running ones (the fixed cost shared
+        `batch` ways), as the `time` cost model reads it; None before a fit."""
+        c = self.coefficients()
+        if c is None:
+            return None
+        b = max(batch, 1.0)
+        return LinearProfile(
+            prefill_base_s=c["alpha"],
+            prefill_s_per_token=c["pi"],
+            step_s=c["alpha"] / b + c["beta"],
+            context_s_per_token=c["kappa"],
+        )
+
+    def _solve(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if self._solved is not None:
+            return self._solved
+        k = len(FEATURES)
+        # a column never observed (no context series, no prompt counter) is left out
+        active = [j for j in range(k) if self._xx[j, j] > 0 and (j != 2 or self._ctx_known)]
+        if self.observations < len(active) + 1:
+            return None
+        scale = np.sqrt(np.maximum(np.diag(self._xx), 1e-300))
+        while active:
+            idx = np.array(active)
+            xx = self._xx[np.ix_(idx, idx)] / np.outer(scale[idx], scale[idx])
+            xx = xx + self._ridge * np.eye(len(idx))
+            xy = self._xy[idx] / scale[idx]
+            try:
+                inv = np.linalg.inv(xx)
+            except np.linalg.LinAlgError:
+                return None
+            beta = inv @ xy
+            negative = [active[i] for i in range(len(active)) if beta[i] < 0 and active[i] != 0]
+            if negative:
+                active.remove(min(negative, key=lambda j: beta[active.index(j)]))
+                continue
+            theta = np.zeros(k)
+            theta[idx] = beta / scale[idx]
+            rss = float(self._yy - 2 * theta @ self._xy + theta @ self._xx @ theta)
+            # faded weights: RSS / (n_eff - k) is the sandwich covariance's scale
+            sigma2 = max(rss, 0.0) / max(self.observations - len(idx), 1.0)
+            cov = np.zeros((k, k))
+            cov[np.ix_(idx, idx)] = sigma2 * inv / np.outer(scale[idx], scale[idx])
+            self._solved = (theta, cov)
+            return self._solved
+        return None
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fit's sufficient statistics (JSON-ready): `from_dict` restores it exactly."""
+        return {
+            "half_life_s": self.half_life_s,
+            "xx": self._xx.tolist(),
+            "xy": self._xy.tolist(),
+            "yy": self._yy,
+            "w": self._w,
+            "w2": self._w2,
+            "mix": self._mix.tolist(),
+            "context_known": self._ctx_known,
+            "span": list(self._span) if math.isfinite(self._span[0]) else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineFit:
+        """Restore a fit saved by `to_dict`. Raises ValueError on a malformed record."""
+        try:
+            fit = cls(float(data["half_life_s"]))
+            fit._xx = np.asarray(data["xx"], dtype=np.float64).reshape(len(FEATURES), -1)
+            fit._xy = np.asarray(data["xy"], dtype=np.float64).reshape(len(FEATURES))
+            fit._yy, fit._w, fit._w2 = float(data["yy"]), float(data["w"]), float(data["w2"])
+            fit._mix = np.asarray(data["mix"], dtype=np.float64).reshape(3)
+            fit._ctx_known = bool(data["context_known"])
+            if data.get("span"):
+                fit._span = [float(data["span"][0]), float(data["span"][1])]
+        except (KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"not an engine fit: {e}") from None
+        if fit._xx.shape != (len(FEATURES), len(FEATURES)):
+            raise ValueError("not an engine fit: wrong shape")
+        return fit
+
+
+__all__ = ["FEATURES", "EngineFit", "Interval"]
