@@ -33,6 +33,20 @@ class TraceRequest:
     priority: int = 0
     """Priority class (vLLM's convention, lower first; the `bands` policy's band). Traces
     carry none: 0, unless a workload assigns classes (`bench/classes.py`)."""
+    block_hashes: tuple[int, ...] = ()
+    """The prompt's chained block hashes (`loadgen.prefix`): entry k identifies the prefix of
+    blocks 0..k, so two requests share a cached prefix of k blocks iff their first k entries
+    are equal; full blocks only; ints in [0, 2**63). Empty: no prefix information."""
+    block_tokens: int = 0
+    """Tokens per block of `block_hashes` (0: no prefix information)."""
+    think_s: float | None = None
+    """Multi-turn sessions: None for a request that arrives at `arrival_s` (every trace
+    request, and a session's first turn). A number marks a later turn that follows the
+    previous request of the same `session` (the one before it in the workload): it arrives
+    `think_s` seconds after that request's last token (or its drop), and `arrival_s` is then
+    only an estimate made when the workload was built (what an open-loop replay would use).
+    Its prompt re-sends the previous turn's prompt and answer first (the simulator's engine
+    then finds the answer's blocks cached, as a server that generated them would)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens)
+    ap.add_argument("--block-size", type=int, default=d.block_size, help="KV block tokens")
+    ap.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        default=d.prefix_caching, help="automatic prefix caching (vLLM V1's default: on)",
+    )  # fmt: skip
     return ap
 
 
@@ -47,6 +52,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_tokens=args.kv_tokens,
+        block_size=args.block_size,
+        prefix_caching=args.enable_prefix_caching,
     )
 
 

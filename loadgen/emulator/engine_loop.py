@@ -69,6 +69,12 @@ class LoopStats:
     block_tokens: int = 16
     kv_blocks: int = 0
     """The KV cache's block size and block count (vLLM's `cache_config_info`)."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (vLLM's counter)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""
+    prefix_caching: bool = False
+    """Whether the engine caches prefixes (`cache_config_info`'s `enable_prefix_caching`)."""
 
 
 MAX_LAG_S = 0.05
@@ -134,15 +140,18 @@ class EngineLoop:
         priority: int = 0,
         *,
         event: asyncio.Event | None = None,
+        hashes: tuple[int, ...] = (),
     ) -> EmuRequest:
         """Queue a request that will produce exactly `output_tokens` tokens (≥ 1). It reaches
         the engine after the profile's `request_overhead_s` (× time scale). Sequences of one
-        response (`n` > 1, a batch of prompts) share one `event`, so one waiter sees them all."""
+        response (`n` > 1, a batch of prompts) share one `event`, so one waiter sees them all.
+        `hashes`: the prompt's block-hash chain in the engine's block size (prefix cache)."""
         loop = asyncio.get_running_loop()
         job = Job(next(self._ids), self.virtual_now(), max(1, prompt_tokens), priority=priority)
         job.max_tokens = output_tokens
         out = max(1, output_tokens)
-        req = EmuRequest(Seq(job, out, float(out)), loop.time())
+        block = self.engine.cfg.block_tokens if hashes else 0
+        req = EmuRequest(Seq(job, out, float(out), hashes=hashes, hash_tokens=block), loop.time())
         if event is not None:
             req.event = event
         job.ctx = req
@@ -235,5 +244,10 @@ class EngineLoop:
         st.preemptions, st.iterations = eng.preemptions, eng.iterations
         st.prompt_tokens, st.generated_tokens = eng.prompt_tokens, eng.generated_tokens
         st.block_tokens, st.kv_blocks = eng.cfg.block_tokens, eng.cfg.kv_blocks
+        st.prefix_cache_queries, st.prefix_cache_hits = (
+            eng.prefix_cache_queries,
+            eng.prefix_cache_hits,
+        )
+        st.prefix_caching = eng.cache is not None
         if self._on_iteration is not None:
             self._on_iteration(st)

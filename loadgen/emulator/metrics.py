@@ -48,6 +48,18 @@ class EmulatorMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
         )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            LABELS,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            LABELS,
+            registry=r,
+        )
         self.iteration_tokens = Histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
@@ -88,9 +100,11 @@ class EmulatorMetrics:
         )
         self._lv = lv
         self._preempt_seen = 0
+        self._prefix_seen = (0, 0)
         series: tuple[Gauge | Counter | Histogram, ...] = (
             self.running, self.waiting, self.kv, self.preemptions, self.prompt_tokens,
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
+            self.prefix_queries, self.prefix_hits,
             self.iteration_tokens,
         )  # fmt: skip
         for m in series:  # expose every series from the start, as vLLM does
@@ -105,8 +119,14 @@ class EmulatorMetrics:
         if st.preemptions > self._preempt_seen:
             self.preemptions.labels(*lv).inc(st.preemptions - self._preempt_seen)
             self._preempt_seen = st.preemptions
+        queries, hits = self._prefix_seen
+        if st.prefix_cache_queries > queries:
+            self.prefix_queries.labels(*lv).inc(st.prefix_cache_queries - queries)
+            self.prefix_hits.labels(*lv).inc(st.prefix_cache_hits - hits)
+            self._prefix_seen = (st.prefix_cache_queries, st.prefix_cache_hits)
         if not self._cache_declared and st.kv_blocks:
-            self.cache_config.labels(str(st.block_tokens), str(st.kv_blocks), "False").set(1)
+            caching = str(st.prefix_caching)
+            self.cache_config.labels(str(st.block_tokens), str(st.kv_blocks), caching).set(1)
             self._cache_declared = True
         iterations, prompt, generated = self._seen
         if st.prompt_tokens > prompt:

@@ -199,6 +199,8 @@ class Answer:
     """Hash of the prompt text (filler words)."""
     offset: int
     """Token index of its first output token in the whole answer (a continuation's k)."""
+    prompt: Prompt | None = None
+    """Its prompt (the prefix cache hashes its token ids)."""
 
     def text(self, start: int, stop: int) -> str:
         """Its output tokens `start` … `stop - 1`."""
@@ -281,7 +283,7 @@ def parse(
             want = cap if body.get("ignore_eos") else max(natural, min_tokens)
             out = min(want, cap)
             reason = "length" if out >= cap else "stop"
-            answers.append(Answer(len(answers), p.tokens, out, reason, digest(text), p.offset))
+            answers.append(Answer(len(answers), p.tokens, out, reason, digest(text), p.offset, p))
     priority = _int_field(body, "priority") or 0
     if priority != 0 and not priority_on:
         if reject_priority:  # vLLM before 0.32 (and its docs); 0.32 accepts and ignores it

@@ -27,6 +27,7 @@ from loadgen.emulator.engine_loop import EmuRequest, EngineLoop
 from loadgen.emulator.metrics import EmulatorMetrics
 from loadgen.engine.configs import EngineConfig, engine_config
 from loadgen.engine.profiles import LatencyProfile, make_profile
+from loadgen.prefix import chain_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,10 @@ class EmulatorConfig:
     2048 is the CPU build's default, with chunked prefill on)."""
     kv_tokens: int = 524_288
     """KV capacity in tokens (the tiny model with `VLLM_CPU_KVCACHE_SPACE=1`: 1 GiB / 2 KiB)."""
+    block_size: int = 16
+    """KV block size in tokens (vLLM `--block-size`; the prefix cache hashes prompts in it)."""
+    prefix_caching: bool = True
+    """Automatic prefix caching (vLLM `--enable-prefix-caching`, on by default in V1)."""
 
     def engine_config(self) -> EngineConfig:
         cfg = engine_config(self.engine).with_(
@@ -62,6 +67,8 @@ class EmulatorConfig:
             max_batch_tokens=self.max_num_batched_tokens,
             chunk_tokens=self.max_num_batched_tokens,
             kv_tokens=self.kv_tokens,
+            block_tokens=self.block_size,
+            prefix_caching=self.prefix_caching,
         )
         if self.priority_scheduling:
             cfg = cfg.with_(priority_scheduling=True, waiting_order="priority")
@@ -175,6 +182,13 @@ async def _body(request: web.Request) -> Any:
         raise protocol.ProtocolError("request body is not valid JSON") from None
 
 
+def _hashes(cfg: EmulatorConfig, answer: protocol.Answer) -> tuple[int, ...]:
+    """The answer's prompt block-hash chain in the emulator's block size (caching off: none)."""
+    if not cfg.prefix_caching or answer.prompt is None:
+        return ()
+    return chain_tokens(protocol.prompt_ids(answer.prompt), cfg.block_size)
+
+
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _body(request)
@@ -189,7 +203,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     )
     event = asyncio.Event()  # one for all the response's sequences
     reqs = [
-        state.loop.submit(a.prompt_tokens, a.output_tokens, p.priority, event=event)
+        state.loop.submit(
+            a.prompt_tokens, a.output_tokens, p.priority, event=event, hashes=_hashes(cfg, a)
+        )
         for a in p.answers
     ]
     try:
@@ -279,7 +295,10 @@ async def _responses(request: web.Request) -> web.StreamResponse:
         reject_priority=cfg.reject_priority,
     )
     answer, event = p.answers[0], asyncio.Event()
-    req = state.loop.submit(answer.prompt_tokens, answer.output_tokens, p.priority, event=event)
+    req = state.loop.submit(
+        answer.prompt_tokens, answer.output_tokens, p.priority, event=event,
+        hashes=_hashes(cfg, answer),
+    )  # fmt: skip
     rid, msg_id = responses.ids()
     created = protocol.now_created()
     try:

@@ -2,9 +2,10 @@
 
 `profiles` turns one iteration's shape (decodes, their total context, prefill tokens) into
 seconds; `configs` names the batching rules (vLLM FCFS, Sarathi, SLAI, ...); `model` is the
-engine itself. Dependency rule: imports numpy and `policies` only. To add a latency profile,
-subclass `LatencyProfile` in `profiles` and decorate it with `@register_profile`; to add an
-engine configuration, call `register_engine(EngineConfig(name=..., ...))` in `configs`.
+engine itself, `prefix_cache` its automatic prefix caching. Dependency rule: imports numpy
+and `policies` only. To add a latency profile, subclass `LatencyProfile` in `profiles` and
+decorate it with `@register_profile`; to add an engine configuration, call
+`register_engine(EngineConfig(name=..., ...))` in `configs`.
 """
 
 from loadgen.engine.configs import EngineConfig, engine_config, engine_names, register_engine

@@ -98,6 +98,9 @@ class EngineConfig:
     """Most requests the gateway lets into the engine at once (None: all, as vLLM admits)."""
     drain_s: float = 50.0
     """After the last arrival the run continues this long; what is left is dropped."""
+    prefix_caching: bool = True
+    """Automatic prefix caching (vLLM V1's default; paged KV only): requests carrying prompt
+    block hashes skip the prefill of their longest cached prefix (docs/simulator.md)."""
 
     @property
     def kv_blocks(self) -> int:

@@ -12,7 +12,10 @@ step, not one per token. Conventions (see docs/simulator.md):
   iteration t+O−1;
 - KV holds the computed prompt plus the generated tokens, in blocks of `block_tokens`;
 - preempted sequences lose their KV and recompute prompt + generated tokens as a prefill
-  (vLLM's recompute mode), from the front of the waiting queue.
+  (vLLM's recompute mode), from the front of the waiting queue;
+- prefix caching (`EngineConfig.prefix_caching`, paged KV only; `prefix_cache.py`): a
+  sequence carrying prompt block hashes is admitted with its longest cached prefix already
+  computed, and its computed prompt blocks stay cached (LRU-evicted when KV is needed).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from loadgen.engine.configs import EngineConfig
+from loadgen.engine.prefix_cache import PrefixCache
 from loadgen.engine.profiles import LatencyProfile
 from policies.job import Job
 
@@ -53,6 +57,15 @@ class Seq:
     """Engine-level (KV) preemptions."""
     priority: int | None = None
     """vLLM `priority` the request carries (lower first); None: the job's priority class."""
+    hashes: tuple[int, ...] = ()
+    """Chained block hashes of the prompt (`TraceRequest.block_hashes`; empty: never hits),
+    possibly going on over the output when the workload knows its tokens (session turns)."""
+    hash_tokens: int = 0
+    """Tokens per entry of `hashes` (a multiple of the engine's `block_tokens`)."""
+    cached: int = 0
+    """Leading entries of `hashes` this sequence holds in the engine's prefix cache."""
+    recompute: bool = False
+    """Waiting again after an engine preemption (its lookup is not counted, as in vLLM)."""
 
     @property
     def prompt(self) -> int:
@@ -107,6 +120,8 @@ class Engine:
         """Output tokens generated so far (vLLM's `generation_tokens_total`)."""
         self.prompt_tokens = 0
         """Prompt (and recompute) tokens prefilled so far (vLLM's `prompt_tokens_total`)."""
+        self.cache = PrefixCache(config.block_tokens) if config.prefix_caching and paged else None
+        """The prefix cache (None: off, or the admission KV model)."""
         self._last_iter_s = profile.iteration_s(1, 0, 0)
 
     # -- membership -----------------------------------------------------------------------
@@ -114,10 +129,23 @@ class Engine:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens new requests looked up in the prefix cache (vLLM's counter)."""
+        return 0 if self.cache is None else self.cache.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of `prefix_cache_queries`, tokens found cached (vLLM's counter)."""
+        return 0 if self.cache is None else self.cache.hits
+
     def add(self, seq: Seq) -> None:
         """A request reaches the engine (new, or resumed after a gateway preemption)."""
-        seq.kv = seq.blocks = seq.booked_left = 0
+        seq.kv = seq.blocks = seq.booked_left = seq.cached = 0
+        seq.recompute = False
         seq.prefill_left = seq.prompt + seq.generated
+        if self.cache is not None:
+            self.cache.entry_blocks(seq)  # a hash block size the engine cannot use fails here
         self.waiting.append(seq)
 
     def abort(self, seq: Seq) -> None:
@@ -265,6 +293,7 @@ class Engine:
         cfg = self.cfg
         if self._gated(laxity):
             return "gate"
+        hit, hit_free = self._hit(seq)
         chunk = min(seq.prefill_left, cfg.chunk_tokens or seq.prefill_left)
         if not cfg.budget_counts_prompts:
             pass
@@ -273,12 +302,18 @@ class Engine:
         elif chunk > b.budget and (b.prefills or b.budget < cfg.max_batch_tokens):
             chunk = 0  # a whole prompt over the budget runs only in an otherwise empty batch
         if chunk <= 0:
+            self._unhit(seq, hit)
             return "budget"
         run = seq.prefill_left if cfg.prefill_free else chunk  # computed now
         need = self._admit_need(seq, run)
-        if need > self._kv_free() - self._watermark:
+        if need + hit_free > self._kv_free() - self._watermark:
+            self._unhit(seq, hit)
             return "kv"
         self.waiting.remove(seq)
+        if self.cache is not None:
+            self.cache.acquire(seq, hit)
+            self.cache.count(seq, seq.kv)
+            self.free_blocks -= hit_free
         self._take(seq, need)
         self.running.append(seq)
         b.prefills.append((seq, run))
@@ -288,6 +323,22 @@ class Engine:
         b.budget -= chunk if cfg.budget_counts_prompts else 0
         b.admitted += 1
         return None
+
+    def _hit(self, seq: Seq) -> tuple[int, int]:
+        """Look `seq` up in the prefix cache and mark its cached prefix computed (tentatively:
+        `_unhit` undoes it). Returns (entries hit, engine blocks of those that are free)."""
+        if self.cache is None or not seq.hashes:
+            return 0, 0
+        hit, hit_free = self.cache.match(seq)
+        tokens = hit * seq.hash_tokens
+        seq.kv, seq.blocks = tokens, tokens // self.cfg.block_tokens
+        seq.prefill_left -= tokens
+        return hit, hit_free
+
+    def _unhit(self, seq: Seq, hit: int) -> None:
+        if hit:
+            seq.prefill_left += seq.kv
+            seq.kv = seq.blocks = 0
 
     def _admit_need(self, seq: Seq, chunk: int) -> int:
         """KV units (blocks, or tokens in the admission model) to admit `seq` with `chunk`."""
@@ -323,11 +374,18 @@ class Engine:
         return self.free_blocks
 
     def _take(self, seq: Seq, units: int) -> None:
+        if self.cache is not None and units > 0:
+            self.cache.take(units, self.free_blocks)
         self.free_blocks -= units
         seq.blocks += units
 
     def _free(self, seq: Seq) -> None:
-        self.free_blocks += seq.blocks
+        if self.cache is None:
+            self.free_blocks += seq.blocks
+        else:
+            if seq.hashes:  # blocks its decodes filled, where its chain covers them
+                self.free_blocks += self.cache.register(seq)
+            self.free_blocks += self.cache.release(seq)
         seq.blocks = seq.kv = 0
 
     def _grow(self, seq: Seq, tokens: int, b: _Batch) -> bool:
@@ -369,6 +427,7 @@ class Engine:
         seq.booked_left = 0
         seq.prefill_left = seq.prompt + seq.generated
         seq.preemptions += 1
+        seq.recompute = True
         self.preemptions += 1
         b.preempted += 1
         self.waiting.appendleft(seq)
@@ -439,10 +498,13 @@ class Engine:
             seq.last_token_s = end_s
             if seq.generated >= seq.output:
                 finished.append(seq)
+        cache = self.cache
         for seq, chunk in b.prefills:
             self.prompt_tokens += chunk
             seq.prefill_left -= chunk
             seq.kv += chunk
+            if cache is not None and seq.hashes:
+                self.free_blocks += cache.register(seq)
             if seq.prefill_left == 0:
                 self.generated_tokens += 1
                 seq.generated += 1

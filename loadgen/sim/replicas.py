@@ -181,6 +181,8 @@ class _ReplicaRun:
         ]
         """Per backend: its distinct budgets (one per replica that may use it, or the shared)."""
         policy = self.replicas[0].sched.policy
+        if any(r.think_s is not None for r in requests):
+            raise ValueError("session turns that follow their previous turn need simulate()")
         self.jobs, self.records = _jobs(requests, policy, sigma, beliefs, rank_scores)
         self.jobs.sort(key=lambda j: (j.arrival_s, j.id))
         self.clock = [0.0] * setup.backends

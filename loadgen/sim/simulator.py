@@ -4,6 +4,8 @@ The loop is short: deliver the arrivals due, let the gateway `Scheduler` hand ou
 in-flight cap allows (preempting when the policy says so), run one engine step (one iteration,
 or several identical decode iterations up to the next arrival), then settle what finished.
 Ties break on time, then on the fixed order arrivals → gateway → engine, then on request id.
+A later turn of a session (`TraceRequest.think_s` set) is held back until the session's
+previous request ends (last token, or dropped) and arrives `think_s` after that.
 Nothing here is random: prediction beliefs are a deterministic function of the trace's frozen
 prediction, so a run is a pure function of its inputs.
 """
@@ -11,6 +13,7 @@ prediction, so a run is a pure function of its inputs.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import time
 from collections.abc import Sequence
@@ -122,6 +125,7 @@ def _jobs(
     rank_scores: Sequence[float] | None = None,
 ) -> tuple[list[Job], list[RequestRecord]]:
     jobs, records = [], []
+    chains = engine_chains(requests)
     for i, r in enumerate(requests):
         out = max(1, r.output_tokens)
         pred = float(r.predicted_output_tokens or out)
@@ -132,12 +136,45 @@ def _jobs(
             job.rank_score = None if rank_scores is None else rank_scores[i]
         if policy.needs_oracle:
             job.true_output_tokens = out
-        job.ctx = Seq(job, out, pred)
+        job.ctx = Seq(job, out, pred, hashes=chains[i], hash_tokens=r.block_tokens)
         jobs.append(job)
         records.append(
             RequestRecord(i, r.arrival_s, r.prompt_tokens, out, r.deadline_s, tenant=job.tenant)
         )
     return jobs, records
+
+
+def engine_chains(requests: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
+    """Each request's hash chain for the engine model: its prompt's, and for a session turn
+    whose next turn re-sends it (the next chain starts with this one, same block size) also
+    the blocks of its answer, taken from the next turn's chain: the next turn's prompt is this
+    prompt followed by this answer, as the model generated it, so the engine caches those
+    blocks when it generates them (vLLM caches decode blocks too)."""
+    chains = [r.block_hashes for r in requests]
+    for i, (j, _) in follow_ups(requests).items():
+        r, nxt = requests[i], requests[j]
+        n = len(r.block_hashes)
+        same_size = r.block_tokens and nxt.block_tokens == r.block_tokens
+        if same_size and nxt.block_hashes[:n] == r.block_hashes:
+            upto = (r.prompt_tokens + r.output_tokens) // r.block_tokens
+            chains[i] = nxt.block_hashes[: max(n, upto)]
+    return chains
+
+
+def follow_ups(requests: Sequence[TraceRequest]) -> dict[int, tuple[int, float]]:
+    """Index of a request → (index of the session's next turn, its think time in seconds),
+    for every later turn (`think_s` set): it follows the previous request of its session."""
+    last: dict[str, int] = {}
+    out: dict[int, tuple[int, float]] = {}
+    for i, r in enumerate(requests):
+        if r.think_s is not None:
+            prev = last.get(r.session) if r.session is not None else None
+            if prev is None:
+                raise ValueError(f"request {i} follows a turn but its session has none before")
+            out[prev] = (i, r.think_s)
+        if r.session is not None:
+            last[r.session] = i
+    return out
 
 
 class _Run:
@@ -159,7 +196,13 @@ class _Run:
         self.sched = Scheduler(contender.policy, profile.cost_profile(batch))
         self.engine = Engine(contender.engine, profile)
         self.jobs, self.records = _jobs(requests, self.sched.policy, sigma, beliefs, rank_scores)
-        self.jobs.sort(key=lambda j: (j.arrival_s, j.id))
+        self.follow = follow_ups(requests)
+        """Job id → (the session's next job id, think time s), until that turn is released."""
+        held = {nxt for nxt, _ in self.follow.values()}
+        self.pending = [(j.arrival_s, j.id, j) for j in self.jobs if j.id not in held]
+        """Arrivals not yet delivered, a heap on (arrival s, id)."""
+        heapq.heapify(self.pending)
+        self.last_arrival_s = max((a for a, _, _ in self.pending), default=0.0)
         self.stop_after = stop_after
         self.violations = 0
         self.steps = 0
@@ -173,25 +216,25 @@ class _Run:
 
     def run(self) -> tuple[float, bool]:
         """Simulate to the end (or the violation limit). Returns (end time, stopped early)."""
-        jobs, engine, n = self.jobs, self.engine, len(self.jobs)
-        last = jobs[-1].arrival_s if jobs else 0.0
-        drain_end = last + self.c.engine.drain_s
-        t, i = 0.0, 0
+        engine, pending = self.engine, self.pending
+        t = 0.0
         while True:
             changed = False
-            while i < n and jobs[i].arrival_s <= t + ARRIVAL_EPS_S:
-                self.sched.admit(jobs[i], jobs[i].arrival_s)
-                i, changed = i + 1, True
+            while pending and pending[0][0] <= t + ARRIVAL_EPS_S:
+                arrival, _, job = heapq.heappop(pending)
+                self.sched.admit(job, arrival)
+                changed = True
             if changed or (self.sched.queue and self._room()):
                 self._gateway(t)
-            if i == n and t >= drain_end - ARRIVAL_EPS_S:
+            drain_end = self.last_arrival_s + self.c.engine.drain_s
+            if not pending and t >= drain_end - ARRIVAL_EPS_S:
                 break
             if not engine:
-                if i == n:
+                if not pending:
                     break
-                t = max(t, align_to_grid(self.profile.grid_s, jobs[i].arrival_s))
+                t = max(t, align_to_grid(self.profile.grid_s, pending[0][0]))
                 continue
-            horizon = min(jobs[i].arrival_s if i < n else drain_end, self.next_sample) - t
+            horizon = min(pending[0][0] if pending else drain_end, self.next_sample) - t
             res = engine.step(t, horizon)
             self.steps += 1
             t = snap_to_grid(self.profile.grid_s, t + res.dt_s)
@@ -266,6 +309,16 @@ class _Run:
             rec.finish_s = t
         if not rec.met_slo():
             self.violations += 1
+        nxt = self.follow.pop(job.id, None)
+        if nxt is not None:
+            self._release(nxt[0], t + nxt[1])
+
+    def _release(self, job_id: int, arrival_s: float) -> None:
+        """A session's next turn arrives `think_s` after its previous one ended."""
+        job = self.jobs[job_id]
+        job.arrival_s = self.records[job_id].arrival_s = arrival_s
+        heapq.heappush(self.pending, (arrival_s, job_id, job))
+        self.last_arrival_s = max(self.last_arrival_s, arrival_s)
 
     def _sync_one(self, job: Job, t: float) -> None:
         delta = job.ctx.generated - job.generated
@@ -279,6 +332,13 @@ class _Run:
             self._settle(seq, t, dropped=True)
         for job in list(self.sched.queue):
             self._settle(job.ctx, t, dropped=True)
+        while self.pending:  # turns released by the drops above never arrive
+            _, job_id, _ = heapq.heappop(self.pending)
+            self.records[job_id].dropped = True
+            self.violations += not self.records[job_id].met_slo()
+            nxt = self.follow.pop(job_id, None)
+            if nxt is not None:
+                self._release(nxt[0], t + nxt[1])
 
 
 def simulate(
@@ -321,11 +381,20 @@ def simulate(
         {
             "engine_preemptions": float(run.engine.preemptions),
             **({"cap_mean": float(np.mean(run.caps))} if run.caps else {}),
+            **(_prefix_counters(run.engine) if any(r.block_tokens for r in requests) else {}),
         },
     )
 
 
 __all__ = ["DEADLINE_EPS_S", "Contender", "SimResult", "belief", "resolve", "simulate"]
+
+
+def _prefix_counters(engine: Engine) -> dict[str, float]:
+    """The engine's prefix-cache counters (tokens), for workloads that carry block hashes."""
+    return {
+        "prefix_cache_queries": float(engine.prefix_cache_queries),
+        "prefix_cache_hits": float(engine.prefix_cache_hits),
+    }
 
 
 def align_to_grid(grid: float | None, t: float) -> float:

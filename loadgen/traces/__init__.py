@@ -9,7 +9,8 @@ tokens, source, optional tenant/session, optional predicted output and SLO deadl
 - `burstgpt-v1`, `burstgpt-v3` (400-row slices), `burstgpt-lengths` (length pairs only);
 - `servegen-<category>`: requests synthesised from Alibaba ServeGen client descriptions;
 - `bailian-traceb` (user path): the Qwen/Bailian traceB JSONL;
-- `lssp-azure2024`, `lssp-bailian`, `lssp-burstgpt`: the portability paper's frozen windows.
+- `lssp-azure2024`, `lssp-bailian`, `lssp-burstgpt`: the portability paper's frozen windows;
+- `mooncake-conversation`, `mooncake-synthetic`: Mooncake traces with prompt block hashes.
 
 Dependency rule: standard library and numpy only; nothing downloads. Shared files are found
 under `shared_data_dir()` (`$SAGESCHED_SHARED_DATA`); frozen windows ship in `loadgen/data/`.
@@ -24,7 +25,16 @@ from pathlib import Path
 from loadgen.schema import TraceRequest, Window
 
 # Importing a reader module registers its sources (registry order: this import order).
-from loadgen.traces import azure, bailian, burstgpt, capture, frozen, lssp, servegen  # noqa: F401
+from loadgen.traces import (  # noqa: F401
+    azure,
+    bailian,
+    burstgpt,
+    capture,
+    frozen,
+    lssp,
+    mooncake,
+    servegen,
+)
 from loadgen.traces.registry import (
     SHARED_DATA_ENV,
     Source,

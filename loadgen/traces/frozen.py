@@ -3,7 +3,9 @@
 For each source in `FROZEN_SPEC`, `write_frozen` takes `load_windows(source, n_requests=,
 count=, seed=)` from the shared data and writes
 - `<source>.csv.gz`: `window_id, arrival_s, prompt_tokens, output_tokens, tenant, session`
-  (floats as `repr`, so they read back bit for bit; empty = None);
+  (floats as `repr`, so they read back bit for bit; empty = None), plus `block_tokens,
+  block_hashes` (the chain as space-separated hex) for sources whose requests carry prompt
+  block hashes (Mooncake);
 - `<source>.manifest.json`: the sampler, its parameters, the input file's SHA-256, and per
   window its id, meta (start index or slot) and `window_digest`.
 
@@ -32,10 +34,13 @@ FROZEN_SPEC: dict[str, tuple[int, int, int]] = {
     "servegen-language": (200, 4, 0),
     "servegen-reason": (200, 2, 0),
     "servegen-multimodal": (200, 2, 0),
+    "mooncake-conversation": (200, 1, 0),
+    "mooncake-synthetic": (200, 1, 0),
 }
 """Source → (n_requests, count, seed) of its shipped windows."""
 
 _COLUMNS = ["window_id", "arrival_s", "prompt_tokens", "output_tokens", "tenant", "session"]
+_BLOCK_COLUMNS = ["block_tokens", "block_hashes"]
 
 
 def frozen_dir() -> Path:
@@ -80,6 +85,8 @@ def read_frozen(source: str) -> list[Window]:
                     source=source,
                     tenant=row["tenant"] or None,
                     session=row["session"] or None,
+                    block_hashes=tuple(int(h, 16) for h in row.get("block_hashes", "").split()),
+                    block_tokens=int(row.get("block_tokens") or 0),
                 )
             )
     return [
@@ -104,11 +111,15 @@ def write_frozen(source: str, input_file: Path | None = None) -> list[Window]:
     windows = load_windows(source, n_requests=n_requests, count=count, seed=seed)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(_COLUMNS)
+    blocks = any(r.block_tokens for w in windows for r in w.requests)
+    writer.writerow(_COLUMNS + _BLOCK_COLUMNS * blocks)
     for w in windows:
         for r in w.requests:
             row = [w.window_id, repr(r.arrival_s), r.prompt_tokens, r.output_tokens]
-            writer.writerow([*row, r.tenant or "", r.session or ""])
+            row += [r.tenant or "", r.session or ""]
+            if blocks:
+                row += [r.block_tokens, " ".join(f"{h:x}" for h in r.block_hashes)]
+            writer.writerow(row)
     frozen_dir().mkdir(parents=True, exist_ok=True)
     data = gzip.compress(buf.getvalue().encode(), compresslevel=9, mtime=0)
     (frozen_dir() / f"{source}.csv.gz").write_bytes(data)

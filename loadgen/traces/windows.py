@@ -109,7 +109,7 @@ def window_digest(window: Window) -> str:
     """
     h = hashlib.sha256()
     for r in window.requests:
-        fields = (
+        fields: tuple[str, ...] = (
             repr(r.arrival_s),
             str(r.prompt_tokens),
             str(r.output_tokens),
@@ -119,5 +119,7 @@ def window_digest(window: Window) -> str:
             str(r.predicted_output_tokens),
             repr(r.deadline_s),
         )
+        if r.block_tokens or r.think_s is not None:  # prefix and session fields, when present
+            fields += (str(r.block_tokens), " ".join(map(str, r.block_hashes)), repr(r.think_s))
         h.update(("\t".join(fields) + "\n").encode())
     return h.hexdigest()

@@ -28,6 +28,8 @@ STABLE_NAMES = {
     "lssp-azure2024",
     "lssp-bailian",
     "lssp-burstgpt",
+    "mooncake-conversation",
+    "mooncake-synthetic",
 }
 
 

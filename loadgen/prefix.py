@@ -1,0 +1,67 @@
+"""Prompt block-hash chains: the prefix structure `TraceRequest.block_hashes` carries.
+
+A prompt is cut into full blocks of `block_tokens` tokens (a trailing partial block is not
+listed). Entry k of the chain identifies the whole prefix of blocks 0..k: it hashes (entry
+k−1, block k's content), as vLLM's prefix cache keys its KV blocks. Two requests share a
+cached prefix of k blocks iff their first k entries are equal (`shared_blocks`). Entries are
+ints in [0, 2**63): deterministic across processes and machines (BLAKE2b, not Python's
+salted `hash()`), and never negative, so a consumer may use negative numbers as its own keys.
+
+Block content is either the block's token ids (`chain_tokens`) or an opaque per-block id of
+the trace (`chain_ids`, e.g. Mooncake's `hash_ids`, whose equal prefixes mean a shared KV
+prefix). Standard library only: a pure consumer (a router, the gateway) may import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
+
+ROOT = 0
+"""The parent of a prompt's first block."""
+_MASK = (1 << 63) - 1
+
+
+def chain(parent: int, content: bytes) -> int:
+    """The chained hash of a block: 63 bits of BLAKE2b over (parent, content)."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(content)
+    return int.from_bytes(h.digest(), "little") & _MASK
+
+
+def chain_ids(block_ids: Iterable[int]) -> tuple[int, ...]:
+    """The chain over per-block ids (one id per full block, e.g. Mooncake's `hash_ids`)."""
+    out: list[int] = []
+    parent = ROOT
+    for block_id in block_ids:
+        parent = chain(parent, int(block_id).to_bytes(8, "little", signed=True))
+        out.append(parent)
+    return tuple(out)
+
+
+def chain_tokens(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]:
+    """The chain over the full `block_tokens`-token blocks of a prompt's token ids."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    packed = array("q", token_ids).tobytes()
+    step = 8 * block_tokens
+    out: list[int] = []
+    parent = ROOT
+    for k in range(len(token_ids) // block_tokens):
+        parent = chain(parent, packed[k * step : (k + 1) * step])
+        out.append(parent)
+    return tuple(out)
+
+
+def shared_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading blocks two chains share (their longest common prefix)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+__all__ = ["ROOT", "chain", "chain_ids", "chain_tokens", "shared_blocks"]
