@@ -94,7 +94,6 @@ class SimResult:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-@functools.lru_cache(maxsize=4096)
 def engine_sample(e: Engine) -> EngineSample:
     """The engine model's state as the gateway reads vLLM's `/metrics`."""
     return EngineSample(
@@ -108,6 +107,7 @@ def engine_sample(e: Engine) -> EngineSample:
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def belief(predicted: float, sigma: float) -> LengthDist:
     """Log-normal belief (σ = `sigma`) centred on a frozen prediction, 16 equal-mass points.
 
