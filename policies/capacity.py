@@ -19,7 +19,8 @@ gateway; the engine model's state in the simulator), one `observe` per sample:
    waiting a step for the token budget is no full batch): the engine runs only about
    `inflight - waiting` (its `max_num_seqs`, or what its KV admits), so the cap drops to that
    plus `waiting_high`. KV usage above `kv_high`: the engine is about to preempt; the cap
-   shrinks by `backoff`. Either way the lowered cap is a ceiling for `limit_hold_s`.
+   shrinks by `backoff`. Either way the lowered cap is a ceiling for a while (`limit_hold_s`
+   after a KV limit, `queue_hold_s` after a queue).
 3. **Set the cap from the curve** once B_f's relative standard error is at most
    `confident_error`: the cap goes to B_f (moves smaller than `deadband` are not made, so a
    settled cap stays put). While the curve is uncertain the controller explores: from a cold
@@ -89,7 +90,11 @@ class CapLaw:
     backoff: float = 0.125
     """Multiplicative decrease on a KV limit."""
     limit_hold_s: float = 30.0
-    """A cap lowered by a limit is the most the curve may ask for during this long."""
+    """A cap lowered by the KV limit is the most the curve may ask for during this long (KV
+    room depends on the traffic's lengths, so it is looked at again)."""
+    queue_hold_s: float = 600.0
+    """The same for a cap lowered by the engine's queue (its `max_num_seqs` or KV admission
+    changes with a restart, not with the traffic)."""
     plateau_fraction: float = 0.85
     """The efficient batch is the smallest whose throughput is this share of the plateau
     (elasticity of throughput to the batch 1 - f). Chosen on the real vLLM CPU build, whose
@@ -316,7 +321,7 @@ class CapController:
             waiting = min(sample.waiting, last_waiting or 0.0)
             new = min(new, inflight - math.ceil(waiting) + int(law.waiting_high))
         new = self._clamp(new)
-        self._ceiling = (new, now + law.limit_hold_s)
+        self._ceiling = (new, now + (law.limit_hold_s if full else law.queue_hold_s))
         return self._move(new, now)
 
     def _target(self, inflight: int) -> int:
