@@ -4,7 +4,10 @@ On a fresh machine with no GPU and no network: starts `sagesched emulate` (the
 `cpu-tiny-vllm` profile, time-scaled), then the gateway with FCFS and replays a frozen trace
 window through it, then the gateway with SageSched (its predictor warmed from the shipped
 prompt sample) and replays the same window; prints one comparison table and writes a PNG of
-the TTLT distributions. Every child runs in its own process group and is stopped on exit.
+the TTLT distributions. With the self-tuning cap (the default), a first replay through an
+FCFS gateway lets the cap learn the backend's curve, and both measured gateways start from
+that memory, as a gateway restarted in front of a known backend does. Every child runs in its
+own process group and is stopped on exit.
 
 The workload: the arrival times of a frozen LSSP Azure-2024 window, output lengths from the
 trace (capped), real ShareGPT prompts from `loadgen/data/prompts/` matched to those lengths,
@@ -154,6 +157,25 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _learn_curve(ch: Children, work: Path, emu: str, reqs: Sequence[ReplayRequest]) -> bytes | None:
+    """One replay of the window through a gateway with FCFS, so the self-tuning cap learns
+    the backend's curve (as a gateway that ran before would have): the curve memory file's
+    bytes, or None if nothing was learnt."""
+    from loadgen.replay.cli import run
+
+    memory, port = work / "cap-memory.json", free_port()
+    cfg = gateway_config(work / "learn.yaml", port, emu, "fcfs", None, None,
+                         cap_memory=memory)  # fmt: skip
+    t0 = time.monotonic()
+    gw = ch.start("gateway-learn", sagesched("serve", "--config", str(cfg)),
+                  f"http://127.0.0.1:{port}/ready", 180, env=ONE_THREAD)  # fmt: skip
+    run(f"http://127.0.0.1:{port}", "tiny-llama", list(reqs), desc="learning the cap")
+    ch.stop(gw)
+    print(f"demo: the self-tuning cap learnt the backend's curve in "
+          f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
+    return memory.read_bytes() if memory.exists() else None
+
+
 def main(argv: list[str], prog: str = "sagesched demo") -> int:
     from loadgen.replay.cli import run
 
@@ -178,11 +200,17 @@ def main(argv: list[str], prog: str = "sagesched demo") -> int:
         n_warm = write_warm_set(reqs, warm, args.holdout)
         which = "not in the replay" if args.holdout else "(the replayed ones included)"
         print(f"demo: predictor warmed on {n_warm} sample prompts {which}", flush=True)
+        memory = _learn_curve(ch, work, emu, reqs) if args.cap is None else None
         for policy in policies:
             port = free_port()
             capture = args.capture / policy if args.capture else None
+            start_from = None
+            if memory is not None:  # every arm starts from the same learnt curve
+                start_from = work / f"cap-memory-{policy}.json"
+                start_from.write_bytes(memory)
             cfg = gateway_config(work / f"{policy}.yaml", port, emu, policy, args.cap, warm,
-                                 adaptive=args.cap is None, capture=capture)  # fmt: skip
+                                 adaptive=args.cap is None, capture=capture,
+                                 cap_memory=start_from)  # fmt: skip
             t0 = time.monotonic()
             # one torch thread: the embedder must leave a core to the backend and the client
             gw = ch.start(f"gateway-{policy}", sagesched("serve", "--config", str(cfg)),
