@@ -192,10 +192,11 @@ class PrefixRouter(Router):
         if not job.prefix:
             job.cached_tokens = 0
             return
-        cached = self.cached_blocks(job, backend) * job.block_tokens
-        job.cached_tokens = min(cached, job.prompt_tokens)
+        blocks = self.cached_blocks(job, backend)
+        job.cached_tokens = min(blocks * job.block_tokens, job.prompt_tokens)
         size = capacity_blocks(backend.kv_tokens, job.block_tokens)
-        self._sent.insert(backend.name, job.prefix, size)
+        sent = None if backend.index is not None else blocks  # what this index holds
+        self._sent.insert(backend.name, job.prefix, size, sent)
 
     def on_evict(self, backend: str, block_hashes: Iterable[int]) -> None:
         self._sent.remove(backend, block_hashes)

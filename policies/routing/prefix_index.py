@@ -9,13 +9,16 @@ An insertion touches the prompt's blocks last-first, so every block is at least 
 its descendants and the LRU evicts leaves before their ancestors (vLLM frees a request's
 blocks in the same reverse order). The set therefore stays prefix-closed, and `match` finds
 the longest cached prefix by bisection: O(log n) lookups for an n-block prompt. An insertion
-is O(n) (each block's recency is refreshed). Pure: no clock, no I/O; not thread-safe.
+refreshes every block's recency in C (`dict.update`) and evicts in O(1) per insertion;
+forgotten entries go a generation at a time.
+Pure: no clock, no I/O; not thread-safe.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 DEFAULT_KV_TOKENS = 500_000
 """KV capacity assumed for a backend that did not report one (tokens): llm-d's sizing note for
@@ -23,67 +26,145 @@ its default LRU (Llama-3-8B on an 80 GB H100 caches about 500K tokens, 31,250 bl
 
 
 class PrefixIndex:
-    """One backend's LRU set of chained block hashes, at most `capacity_blocks` of them."""
+    """One backend's LRU set of chained block hashes, at most `capacity_blocks` of them.
 
-    __slots__ = ("_lru", "capacity_blocks")
+    Recency is kept per insertion: each block maps to the insertion (tick) that last touched
+    it, `_count` counts the blocks each live tick still stamps (oldest first), and blocks
+    stamped at or below `_floor` are forgotten. Forgetting the least recent insertion is
+    raising the floor past it, O(1). Stamps live in two generations: new ones go to `_cur`;
+    once the floor has passed every stamp in `_prev`, `_prev` is dropped whole and `_cur`
+    takes its place, so forgotten entries cost no per-block work and memory stays within
+    about two capacity windows of blocks. An insertion is a few C-level calls however long
+    the prompt; eviction takes the least recently touched blocks one insertion at a time (the
+    index may hold up to one prompt's blocks below its capacity after an eviction).
+    """
+
+    __slots__ = (
+        "_count",
+        "_cur",
+        "_floor",
+        "_live",
+        "_prev",
+        "_switch",
+        "_tick",
+        "capacity_blocks",
+    )
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0, not {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._cur: dict[int, int] = {}  # block -> tick that last touched it (ticks >= _switch)
+        self._prev: dict[int, int] = {}  # the previous generation (ticks < _switch)
+        self._count: OrderedDict[int, int] = OrderedDict()  # live tick -> blocks, oldest first
+        self._switch = 1  # first tick written to `_cur`
+        self._floor = 0  # blocks stamped at or below it are forgotten
+        self._live = 0  # blocks stamped above the floor
+        self._tick = 0
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._live
 
     def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._lru
+        return self._stamp(block_hash) > self._floor  # type: ignore[arg-type]
+
+    @property
+    def stored(self) -> int:
+        """Entries kept in memory, live or forgotten (at most about twice the live ones)."""
+        return len(self._cur) + len(self._prev)
+
+    def _stamp(self, block_hash: int) -> int:
+        stamp = self._cur.get(block_hash)
+        return self._prev.get(block_hash, 0) if stamp is None else stamp
 
     def match(self, prefix: Sequence[int]) -> int:
         """How many leading blocks of `prefix` this backend holds (0..len(prefix)); no side
         effect on recency. Bisection over the prefix-closed set: O(log len(prefix))."""
-        lru = self._lru
         n = len(prefix)
-        if n == 0 or prefix[0] not in lru:
+        if n == 0:
             return 0
-        if prefix[n - 1] in lru:
+        cur, prev, floor = self._cur.get, self._prev.get, self._floor  # `_stamp`, inlined
+        if (cur(prefix[0]) or prev(prefix[0], 0)) <= floor:
+            return 0
+        if (cur(prefix[n - 1]) or prev(prefix[n - 1], 0)) > floor:
             return n
         lo, hi = 1, n - 1  # blocks 0..lo-1 held, block hi not held
         while lo < hi:
             mid = (lo + hi) // 2
-            if prefix[mid] in lru:
+            if (cur(prefix[mid]) or prev(prefix[mid], 0)) > floor:
                 lo = mid + 1
             else:
                 hi = mid
         return lo
 
-    def insert(self, prefix: Sequence[int]) -> None:
-        """Record that `prefix` was sent here: every block becomes most recent (the first block
-        most recent of all), then the oldest blocks beyond the capacity are forgotten."""
-        lru = self._lru
-        touch = lru.move_to_end
-        for h in reversed(prefix):
-            if h in lru:
-                touch(h)
-            else:
-                lru[h] = None
-        self._trim()
+    def insert(self, prefix: Sequence[int], held: int | None = None) -> None:
+        """Record that `prefix` was sent here: all its blocks become the most recent, then the
+        least recent insertions beyond the capacity are forgotten. `held`: `match(prefix)`,
+        if the caller has it. The hashes of `prefix` are distinct (a chain)."""
+        if len(prefix) > self.capacity_blocks:  # what fits is its first blocks
+            prefix = prefix[: self.capacity_blocks]
+            held = None
+        if not prefix:
+            return
+        end = self.match(prefix) if held is None else held  # 0..end-1 live, the rest new
+        self._live += len(prefix) - end
+        while end > 0:  # stamps fall along a chain: release the runs of equal ticks
+            old = self._stamp(prefix[end - 1])
+            start = self._first_stamped(prefix, old, end - 1)
+            self._release(old, end - start)
+            end = start
+        self._tick += 1
+        self._cur.update(zip(prefix, repeat(self._tick)))  # in C
+        self._count[self._tick] = len(prefix)
+        self._evict()
 
     def remove(self, block_hashes: Iterable[int]) -> None:
-        """Forget blocks the engine reported evicted (leaf first, as vLLM evicts)."""
+        """Forget blocks the engine reported evicted. Leaf first, as vLLM evicts: a block
+        removed before its descendants breaks the prefix closure `match` relies on."""
         for h in block_hashes:
-            self._lru.pop(h, None)
+            stamp = self._stamp(h)
+            self._cur.pop(h, None)
+            self._prev.pop(h, None)
+            if stamp > self._floor:
+                self._live -= 1
+                self._release(stamp, 1)
 
     def resize(self, capacity_blocks: int) -> None:
         """Change the capacity (the backend's KV changed); shrinking forgets the oldest."""
         if capacity_blocks != self.capacity_blocks:
             self.capacity_blocks = max(capacity_blocks, 0)
-            self._trim()
+            self._evict()
 
-    def _trim(self) -> None:
-        lru = self._lru
-        while len(lru) > self.capacity_blocks:
-            lru.popitem(last=False)
+    def _first_stamped(self, prefix: Sequence[int], tick: int, last: int) -> int:
+        """The first i ≤ `last` from which every block of `prefix` up to `last` is stamped
+        `tick` (`prefix[last]` is; stamps never rise along a chain). Bisection."""
+        lo, hi = 0, last
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._stamp(prefix[mid]) == tick:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _release(self, tick: int, n: int) -> None:
+        """`n` blocks stamped `tick` were touched again (or removed)."""
+        left = self._count[tick] - n
+        if left:
+            self._count[tick] = left
+        else:  # nothing of that insertion is left to forget
+            del self._count[tick]
+
+    def _evict(self) -> None:
+        """Forget the least recent insertions until the live blocks fit the capacity; drop
+        the older generation once all of it is forgotten."""
+        while self._live > self.capacity_blocks:
+            tick, n = self._count.popitem(last=False)
+            self._live -= n
+            self._floor = tick
+        if self._floor >= self._switch - 1 and self._cur:
+            self._prev, self._cur = self._cur, {}
+            self._switch = self._tick + 1
 
 
 def capacity_blocks(kv_tokens: int | None, block_tokens: int) -> int:
@@ -115,14 +196,19 @@ class PrefixIndexes:
         index = self._by_name.get(name)
         return 0 if index is None else len(index)
 
-    def insert(self, name: str, prefix: Sequence[int], capacity: int) -> None:
-        """Record `prefix` as sent to `name`, whose index holds `capacity` blocks."""
+    def insert(
+        self, name: str, prefix: Sequence[int], capacity: int, held: int | None = None
+    ) -> None:
+        """Record `prefix` as sent to `name`, whose index holds `capacity` blocks (`held`:
+        its match there, if known)."""
         index = self._by_name.get(name)
         if index is None:
             index = self._by_name[name] = PrefixIndex(capacity)
-        else:
+            held = 0
+        elif index.capacity_blocks != capacity:
             index.resize(capacity)
-        index.insert(prefix)
+            held = None
+        index.insert(prefix, held)
 
     def remove(self, name: str, block_hashes: Iterable[int]) -> None:
         index = self._by_name.get(name)

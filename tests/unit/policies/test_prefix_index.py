@@ -26,13 +26,16 @@ def test_match_counts_leading_blocks() -> None:
     assert len(index) == 10
 
 
-def test_lru_forgets_leaves_before_their_ancestors() -> None:
+def test_lru_forgets_the_least_recent_and_leaves_before_ancestors() -> None:
     index = PrefixIndex(12)
     index.insert(chain(1, 8))
-    index.insert(chain(2, 8))  # 16 blocks > 12: four of chain 1 go, its deepest ones
+    index.insert(chain(1, 4))  # the first 4 blocks sent again: only blocks 4..7 are older
+    index.insert(chain(2, 8))  # 16 blocks > 12: the least recent four go, chain 1's leaves
     assert index.match(chain(1, 8)) == 4
     assert index.match(chain(2, 8)) == 8
     assert len(index) == 12
+    index.insert(chain(3, 4))  # then the oldest insertion still held, all of it
+    assert index.match(chain(1, 8)) == 0 and len(index) == 12
 
 
 def test_match_leaves_recency_alone_and_insert_refreshes_it() -> None:
@@ -50,6 +53,7 @@ def test_match_leaves_recency_alone_and_insert_refreshes_it() -> None:
 def test_resize_remove_and_zero_capacity() -> None:
     index = PrefixIndex(20)
     index.insert(chain(1, 10))
+    index.insert(chain(1, 6))
     index.resize(6)
     assert index.match(chain(1, 10)) == 6
     index.remove([chain(1, 10)[5]])
@@ -89,3 +93,18 @@ def test_indexes_by_backend_and_capacity_from_kv() -> None:
     assert indexes.size("a") == 2
     assert capacity_blocks(8192, 512) == 16
     assert capacity_blocks(None, 16) == DEFAULT_KV_TOKENS // 16
+
+
+def test_reinsertion_under_capacity_keeps_the_record_bounded() -> None:
+    """A hot prompt sent again and again keeps one record, not one per sending; forgotten
+    blocks do not pile up in memory either."""
+    index = PrefixIndex(1000)
+    for _ in range(5000):
+        index.insert(chain(1, 10))
+    assert len(index) == 10
+    assert index.stored <= 2 * 10 and len(index._count) == 1
+    index.insert(chain(2, 995))  # over capacity: chain 1 is the least recent
+    assert index.match(chain(1, 10)) == 0 and index.match(chain(2, 995)) == 995
+    for root in range(3, 40):  # forgotten entries are deleted as insertions go on
+        index.insert(chain(root, 100))
+    assert len(index) <= 1000 and index.stored <= 3 * 1000
