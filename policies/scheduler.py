@@ -73,8 +73,9 @@ class Scheduler:
         cost reads) wins; ties keep the policy's order, so a key that ignores the cache
         (`fcfs`, `cost=kv`) hands out exactly what `dispatch` would. The winner keeps its
         `cached_tokens`; the others wait with theirs unchanged. Rule: docs/policies.md "Who
-        goes where a slot frees". Only the policy's own `PolicyQueue` is searched this way;
-        a composite queue (`bands`) dispatches its head. None if nothing waits.
+        goes where a slot frees". Meant for a slot that freed alone (several free slots: the
+        best job and a router). Only the policy's own `PolicyQueue` is searched this way; a
+        composite queue (`bands`) dispatches its head. None if nothing waits.
         """
         if candidates <= 1 or not isinstance(self.queue, PolicyQueue):
             job = self.dispatch(now)
