@@ -11,6 +11,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "policies": ("policies.cli", "list the scheduling policy catalog"),
+    "routers": ("policies.routing.cli", "list the routers: which backend a job goes to"),
     "serve": ("gateway.cli", "run the scheduling gateway in front of OpenAI-compatible backends"),
     "simulate": ("loadgen.sim.cli", "simulate policies on trace windows in virtual time"),
     "traces": ("loadgen.traces.cli", "list trace sources, frozen windows and their knees"),

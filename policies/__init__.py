@@ -4,7 +4,8 @@ the policy contract and catalog, and the queue.
 Dependency rule: this package imports only the standard library and numpy. It knows nothing
 of asyncio, HTTP or clocks: time is a number the caller passes in, so the same policy object
 orders the live gateway's queue and the simulator's. To add a policy, see
-`policies.catalog`.
+`policies.catalog`. Where a job goes (the routers, their prefix index) lives in
+`policies.routing`, under the same rule.
 """
 
 from policies.base import Key, Policy

@@ -9,6 +9,11 @@ so far become attained cost. Three are provided:
             i.e. memory pressure; SageSched's cost (REFERENCE.md §1).
 - `time`:   expected engine seconds from a latency profile (prefill plus per-step decode time
             that grows with batch context); the profile object is passed in.
+
+Every model takes `cached_tokens`, the prompt tokens expected to be in the serving backend's
+prefix cache (`Job.cached_tokens`, set by the router): only `time` reads it, charging the
+prefill of the uncached rest (`tokens` and `kv` measure decode work and memory held, which a
+cached prefix does not change). 0 charges the whole prompt, as before.
 """
 
 from __future__ import annotations
@@ -66,8 +71,11 @@ class CostModel(Protocol):
 
     name: ClassVar[str]
 
-    def cost(self, prompt_tokens: float, output_tokens: FloatArray) -> FloatArray:
-        """Cost of a job of `prompt_tokens` input after each of `output_tokens` outputs."""
+    def cost(
+        self, prompt_tokens: float, output_tokens: FloatArray, cached_tokens: float = 0.0
+    ) -> FloatArray:
+        """Cost of a job of `prompt_tokens` input (`cached_tokens` of them in the backend's
+        prefix cache) after each of `output_tokens` outputs."""
         ...
 
 
@@ -76,7 +84,9 @@ class TokensCost:
 
     name: ClassVar[str] = "tokens"
 
-    def cost(self, prompt_tokens: float, output_tokens: FloatArray) -> FloatArray:
+    def cost(
+        self, prompt_tokens: float, output_tokens: FloatArray, cached_tokens: float = 0.0
+    ) -> FloatArray:
         return np.asarray(output_tokens, dtype=np.float64)
 
 
@@ -85,21 +95,27 @@ class KVCost:
 
     name: ClassVar[str] = "kv"
 
-    def cost(self, prompt_tokens: float, output_tokens: FloatArray) -> FloatArray:
+    def cost(
+        self, prompt_tokens: float, output_tokens: FloatArray, cached_tokens: float = 0.0
+    ) -> FloatArray:
         o = np.asarray(output_tokens, dtype=np.float64)
         return o * o / 2.0 + prompt_tokens * o
 
 
 @dataclass(frozen=True, slots=True)
 class TimeCost:
-    """Expected engine seconds: prefill plus the decode time of O tokens under `profile`."""
+    """Expected engine seconds: the prefill of the uncached prompt plus the decode time of O
+    tokens under `profile` (decode attends to the whole prompt, cached or not)."""
 
     profile: LatencyProfile
     name: ClassVar[str] = "time"
 
-    def cost(self, prompt_tokens: float, output_tokens: FloatArray) -> FloatArray:
+    def cost(
+        self, prompt_tokens: float, output_tokens: FloatArray, cached_tokens: float = 0.0
+    ) -> FloatArray:
         decode = self.profile.request_decode_s(prompt_tokens, output_tokens)
-        return self.profile.prefill_s(prompt_tokens) + decode
+        uncached = max(prompt_tokens - cached_tokens, 0.0)
+        return self.profile.prefill_s(uncached) + decode
 
 
 def make_cost_model(name: str, profile: LatencyProfile | None = None) -> CostModel:
@@ -116,12 +132,16 @@ def make_cost_model(name: str, profile: LatencyProfile | None = None) -> CostMod
 COST_MODELS = ("tokens", "kv", "time")
 
 
-def cost_support(model: CostModel, prompt_tokens: float, dist: LengthDist) -> FloatArray:
+def cost_support(
+    model: CostModel, prompt_tokens: float, dist: LengthDist, cached_tokens: float = 0.0
+) -> FloatArray:
     """The cost distribution's support (same probabilities as `dist`)."""
-    return model.cost(prompt_tokens, dist.support)
+    return model.cost(prompt_tokens, dist.support, cached_tokens)
 
 
-def attained_cost(model: CostModel, prompt_tokens: float, generated: float) -> float:
+def attained_cost(
+    model: CostModel, prompt_tokens: float, generated: float, cached_tokens: float = 0.0
+) -> float:
     """Cost already spent after `generated` output tokens (0 before the first token).
 
     A job that has produced nothing has not been prefilled yet either, so even a model with a
@@ -129,4 +149,4 @@ def attained_cost(model: CostModel, prompt_tokens: float, generated: float) -> f
     """
     if generated <= 0:
         return 0.0
-    return float(model.cost(prompt_tokens, np.asarray(float(generated))))
+    return float(model.cost(prompt_tokens, np.asarray(float(generated)), cached_tokens))

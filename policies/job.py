@@ -48,6 +48,18 @@ class Job:
     """The real output length; known only to oracles, simulators and replays."""
     preemptions: int = 0
     """How often the job was taken off a backend and requeued."""
+    prefix: tuple[int, ...] = ()
+    """The prompt's chained block hashes (63-bit ints): entry k identifies the whole prefix of
+    blocks 0..k, so two prompts share k cached blocks iff their first k entries are equal; full
+    blocks only (`TraceRequest.block_hashes`). Empty when unknown."""
+    block_tokens: int = 0
+    """Tokens per block of `prefix` (0 when `prefix` is empty)."""
+    session: str | None = None
+    """A conversation's key (sticky routing), if the client or the trace gave one."""
+    cached_tokens: int = 0
+    """Prompt tokens expected to be cached on the backend the job was routed to, set by the
+    router at routing time (`policies.routing`); the `time` cost model does not charge their
+    prefill. 0 (the default) charges the whole prompt."""
     ctx: Any = field(default=None, repr=False)
     """Engine-private attachment (the gateway's request state, the simulator's record)."""
 

@@ -76,11 +76,13 @@ def parse_policy(spec: str) -> Policy:
         key, sep, raw = item.partition("=")
         if not sep:
             raise ValueError(f"policy parameter {item!r} must look like key=value")
-        params[key] = _coerce(raw, hints.get(key, str), f"{name}.{key}")
+        params[key] = coerce_param(raw, hints.get(key, str), f"{name}.{key}")
     return make_policy(name, **params)
 
 
-def _coerce(raw: str, hint: Any, where: str) -> Any:
+def coerce_param(raw: str, hint: Any, where: str) -> Any:
+    """`raw` text read as a parameter of type `hint` (int, float, str, bool, optional, or
+    (key, value) pairs written `k:v;k:v`); `where` names it in errors. Routers share it."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = typing.get_args(hint)
         if type(None) in args and raw.lower() == "none":
@@ -91,7 +93,9 @@ def _coerce(raw: str, hint: Any, where: str) -> Any:
         items = [item.partition(":") for item in filter(None, raw.split(";"))]
         if any(not sep for _, sep, _ in items):
             raise ValueError(f"{where}: write pairs as key:value;key:value, not {raw!r}")
-        return tuple((_coerce(k, pair[0], where), _coerce(v, pair[1], where)) for k, _, v in items)
+        return tuple(
+            (coerce_param(k, pair[0], where), coerce_param(v, pair[1], where)) for k, _, v in items
+        )
     try:
         if hint is bool:
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):

@@ -21,10 +21,12 @@ so it should look for a victim again (`progress` returns True).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from policies.base import Key, Policy
 from policies.cost import LinearProfile
 from policies.job import Job
-from policies.queue import WaitingQueue
+from policies.queue import PolicyQueue, WaitingQueue
 
 
 class Scheduler:
@@ -57,10 +59,45 @@ class Scheduler:
         """A backend slot is free: hand out the best waiting job (None if none waits)."""
         job = self.queue.pop(now)
         if job is not None:
-            self.running[job.id] = job
-            self.policy.on_start(job, now)
-            self._review_at[job.id] = self.policy.next_review(job)
+            self._start(job, now)
         return job
+
+    def dispatch_for(
+        self, now: float, cached_tokens: Callable[[Job], int], candidates: int = 8
+    ) -> Job | None:
+        """A slot freed on one backend b: hand out the waiting job that is best *there*.
+
+        `cached_tokens(job)`: the prompt tokens expected cached on b (a router's prefix
+        index). Among the `candidates` best waiting jobs by the policy's key, the one whose
+        key is lowest with its prefix on b discounted (`Job.cached_tokens`, which the `time`
+        cost reads) wins; ties keep the policy's order, so a key that ignores the cache
+        (`fcfs`, `cost=kv`) hands out exactly what `dispatch` would. The winner keeps its
+        `cached_tokens`; the others wait with theirs unchanged. Rule: docs/policies.md "Who
+        goes where a slot frees". Meant for a slot that freed alone (several free slots: the
+        best job and a router). Only the policy's own `PolicyQueue` is searched this way; a
+        composite queue (`bands`) dispatches its head. None if nothing waits.
+        """
+        if candidates <= 1 or not isinstance(self.queue, PolicyQueue):
+            job = self.dispatch(now)
+            if job is not None:
+                job.cached_tokens = cached_tokens(job)
+            return job
+        heads: list[Job] = []
+        while len(heads) < candidates and (head := self.queue.pop(now)) is not None:
+            heads.append(head)
+        if not heads:
+            return None
+        was = [j.cached_tokens for j in heads]
+        here = [cached_tokens(j) for j in heads]
+        best = min(range(len(heads)), key=lambda i: (self._key_with(heads[i], here[i], now), i))
+        for i, job in enumerate(heads):
+            if i != best:
+                job.cached_tokens = was[i]
+                self.queue.push(job, now)
+        chosen = heads[best]
+        chosen.cached_tokens = here[best]
+        self._start(chosen, now)
+        return chosen
 
     def progress(self, job: Job, new_tokens: int, now: float) -> bool:
         """A running job generated `new_tokens` more tokens. True if it reached a review
@@ -136,6 +173,16 @@ class Scheduler:
         if not self.policy.preemption_pays(best, victim, running, len(self.queue)):
             return None
         return victim
+
+    def _key_with(self, job: Job, cached_tokens: int, now: float) -> Key:
+        """The policy's key for `job` were `cached_tokens` of its prompt cached."""
+        job.cached_tokens = cached_tokens
+        return self.policy.key(job, now)
+
+    def _start(self, job: Job, now: float) -> None:
+        self.running[job.id] = job
+        self.policy.on_start(job, now)
+        self._review_at[job.id] = self.policy.next_review(job)
 
     def _stop(self, job: Job) -> None:
         del self.running[job.id]

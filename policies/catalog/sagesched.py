@@ -76,8 +76,9 @@ class SageSched(Policy):
 
     def key(self, job: Job, now: float) -> Key:
         dist = self.belief(job)
-        support = self._model.cost(job.prompt_tokens, dist.support)
-        spent = attained_cost(self._model, job.prompt_tokens, job.generated)
+        cached = job.cached_tokens
+        support = self._model.cost(job.prompt_tokens, dist.support, cached)
+        spent = attained_cost(self._model, job.prompt_tokens, job.generated, cached)
         return (-gittins_index(support, dist.probs, spent),)
 
     def preemption_pays(

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_imports_only_stdlib_and_numpy() -> None:
     code = (
-        "import sys, json; before = set(sys.modules); import policies, policies.catalog; "
+        "import sys, json; before = set(sys.modules); "
+        "import policies, policies.catalog, policies.routing, policies.routing.catalog; "
         "print(json.dumps(sorted(set(sys.modules) - before)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -45,6 +46,26 @@ def test_public_surface() -> None:
     from policies import gittins_index
 
     assert gittins_index([1.0, 2.0], [0.5, 0.5], 0.0) > 0
+
+
+def test_routing_public_surface() -> None:
+    import policies.routing as routing
+
+    assert sorted(routing.__all__) == sorted(set(routing.__all__))
+    for name in routing.__all__:
+        assert hasattr(routing, name), name
+
+
+def test_cli_lists_routers() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sagesched_cli", "routers", "--json"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    expected = {"least-loaded", "round-robin", "random", "session", "prefix", "cache-aware"}
+    assert expected | {"sagesched"} <= set(rows)
+    assert rows["prefix"]["params"]["prefix_weight"]["default"] == 3.0
+    assert rows["prefix"]["uses_prefix"] and not rows["round-robin"]["uses_prefix"]
 
 
 def test_cli_lists_catalog() -> None:
