@@ -38,7 +38,7 @@ from aiohttp import web
 
 from gateway import backpressure
 from gateway import passthrough as fwd
-from gateway.backends import BackendPool
+from gateway.backends import BackendPool, curve_view
 from gateway.capture import CaptureWriter
 from gateway.classes import CLASS_HEADER
 from gateway.config import GatewayConfig, as_dict
@@ -488,6 +488,7 @@ async def admin_backends(request: web.Request) -> web.Response:
             "cap": b.cap,
             "models": sorted(b.models),
             "priority_scheduling": b.config.priority_scheduling,
+            **curve_view(b),
         }
         for b in state.pool.backends
     ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ import aiohttp
 
 from gateway.config import AdaptiveCapConfig, BackendConfig
 from policies.capacity import CapController, CapLaw, EngineSample, combine_kv
+from policies.cost import LinearProfile
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,25 @@ def cap_law(cfg: AdaptiveCapConfig) -> CapLaw:
         waiting_high=cfg.waiting_high,
         plateau_fraction=cfg.plateau_fraction,
     )
+
+
+def curve_view(b: Backend) -> dict[str, Any]:
+    """The self-tuning cap's view of a backend for `/admin/backends`: its fitted curve, the
+    efficient batch with its relative error and the per-request cost it implies (None where
+    not known yet)."""
+    ctl = b.controller
+    if ctl is None:
+        return {"adaptive": False}
+    est = ctl.efficient_batch()
+    profile = ctl.profile()
+    return {
+        "adaptive": True,
+        "curve": ctl.fit.coefficients(),
+        "efficient_batch": None if est is None else {"batch": est[0], "rel_error": est[1]},
+        "curve_trusted": ctl.confident(),
+        "curve_changes": ctl.changes,
+        "engine_cost": None if profile is None else dataclasses.asdict(profile),
+    }
 
 
 def memory_key(b: Backend) -> str:
@@ -286,6 +307,25 @@ class BackendPool:
         mine = [b for b in serving if b.config.owned and b.healthy] or serving
         open_ = [b for b in mine if b.has_room()]
         return min(open_, key=lambda b: b.inflight / b.cap, default=None)
+
+    def engine_profile(self, model: str) -> LinearProfile | None:
+        """What one request of `model` costs its engines, from the self-tuning caps' fitted
+        curves (the mean of the backends serving it whose curve is trusted), or None."""
+        found = [
+            p
+            for b in self.backends
+            if model in b.models and b.controller is not None
+            if (p := b.controller.profile()) is not None
+        ]
+        if not found:
+            return None
+        n = len(found)
+        return LinearProfile(
+            prefill_base_s=sum(p.prefill_base_s for p in found) / n,
+            prefill_s_per_token=sum(p.prefill_s_per_token for p in found) / n,
+            step_s=sum(p.step_s for p in found) / n,
+            context_s_per_token=sum(p.context_s_per_token for p in found) / n,
+        )
 
     def candidates(self, model: str, exclude: set[str]) -> int:
         """How many backends serve `model` and have not been excluded (healthy or not)."""

@@ -177,7 +177,10 @@ class Dispatcher:
     def scheduler(self, model: str) -> Scheduler:
         sched = self._schedulers.get(model)
         if sched is None:
-            sched = self._schedulers[model] = Scheduler(self._template)
+            # the engine's cost as its self-tuning cap fitted it (a remembered curve at a
+            # restart): the `time` cost model and the preemption rule price with it
+            cost = self._pool.engine_profile(model)
+            sched = self._schedulers[model] = Scheduler(self._template, cost)
             for b in self._pool.backends:
                 if model in b.models:  # counted from zero, so the first event is an increase
                     self.preemptions.setdefault((model, b.name), 0)
