@@ -175,9 +175,9 @@ class CapController:
         self._errors: deque[float] = deque(maxlen=law.change_window)
         """Relative errors of the last intervals against the curve."""
         self._suspects: deque[Interval] = deque(maxlen=law.change_window)
+        """The last intervals held out of the fit as too far off the curve."""
         self._pending: Interval | None = None
         """Intervals of one batch gathered until they span `min_iterations`."""
-        """The last intervals held out of the fit as too far off the curve."""
         self._explore = 1
         """The exploration dither's last direction (+1 above the estimate, -1 below)."""
         self._observed = False
@@ -205,8 +205,7 @@ class CapController:
         between settling and exploring)."""
         est = self.efficient_batch()
         bound = self.law.confident_error * (2.0 if self._settled else 1.0)
-        self._settled = est is not None and est[1] <= bound
-        return self._settled
+        return est is not None and est[1] <= bound
 
     def profile(self) -> LinearProfile | None:
         """The engine's per-request cost at the current cap (the `time` cost model), once
@@ -329,7 +328,8 @@ class CapController:
         law = self.law
         est = self.efficient_batch()
         binding = inflight >= law.busy_fraction * self.cap
-        if est is not None and self.confident():
+        self._settled = self.confident()
+        if est is not None and self._settled:
             self.slow_start = False
             if est[1] > law.confident_error / 2 and binding and self._observed:
                 # trusted but not yet precise: keep the batch varying a little around the
@@ -380,7 +380,7 @@ class CapController:
         self.fit = fit
         self.cap = self._clamp(cap)
         if self.confident():
-            self.slow_start = False
+            self.slow_start, self._settled = False, True
             est = self.efficient_batch()
             assert est is not None
             self.cap = self._clamp(round(est[0]))

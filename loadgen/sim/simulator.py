@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,9 @@ class Contender:
     forward_priority: bool = False
     """Send each request to the engine with its policy key at dispatch quantised to vLLM's
     integer priority (`Policy.engine_priority`); matters on an engine with priority scheduling."""
+    cap_memory: dict[str, Any] | None = None
+    """A previous run's `SimResult.cap_memory`: the self-tuning cap starts from that curve (a
+    gateway restarted in front of a known engine), not cold."""
 
 
 def contender_names() -> list[str]:
@@ -92,6 +96,8 @@ class SimResult:
     """The run stopped at `stop_after_violations` (records are then incomplete)."""
     end_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    cap_memory: dict[str, Any] | None = None
+    """The self-tuning cap's curve at the end (`CapController.memory`), if it tuned."""
 
 
 def engine_sample(e: Engine) -> EngineSample:
@@ -207,7 +213,11 @@ class _Run:
         self.violations = 0
         self.steps = 0
         law = contender.cap_law
-        self.ctl = None if law is None else CapController(law, contender.inflight_cap or 1)
+        self.ctl = (
+            None
+            if law is None
+            else CapController(law, contender.inflight_cap or 1, memory=contender.cap_memory)
+        )
         self.next_sample = math.inf if self.ctl is None else self.ctl.interval_s
         self.caps: list[int] = []
         """The tuned cap after every sample."""
@@ -383,6 +393,7 @@ def simulate(
             **({"cap_mean": float(np.mean(run.caps))} if run.caps else {}),
             **(_prefix_counters(run.engine) if any(r.block_tokens for r in requests) else {}),
         },
+        None if run.ctl is None else run.ctl.memory(),
     )
 
 
