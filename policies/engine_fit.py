@@ -72,7 +72,7 @@ class EngineFit:
     """
 
     def __init__(
-        self, half_life_s: float = 300.0, mix_half_life_s: float = 20.0, ridge: float = 1e-9
+        self, half_life_s: float = 300.0, mix_half_life_s: float = 30.0, ridge: float = 1e-9
     ) -> None:
         """`half_life_s`: of the coefficients (the engine changes rarely); `mix_half_life_s`:
         of the traffic mix the efficient batch is computed at (it changes with the load)."""
@@ -88,7 +88,9 @@ class EngineFit:
         self._w = 0.0
         self._w2 = 0.0
         self._mix = np.zeros(3)
-        """Faded sums of (batch, context, prompt tokens per iteration), weight `_mix_w`."""
+        """Faded token sums (batch x iterations, context x iterations, prompt tokens); with
+        `_mix_w` (iterations) they give the traffic's mix as ratios of sums, so a burst's
+        prefill-only start and decode-only end average to its prompt / output ratio."""
         self._mix_w = 0.0
         self._ctx_known = False
         self._span = [math.inf, 0.0]
@@ -113,8 +115,12 @@ class EngineFit:
         self._w = self._w * fade + 1.0
         self._w2 = self._w2 * fade * fade + 1.0
         mix_fade = 0.5 ** (interval.seconds / self.mix_half_life_s)
-        self._mix = self._mix * mix_fade + x[1:]
-        self._mix_w = self._mix_w * mix_fade + 1.0
+        n = interval.iterations
+        ctx = 0.0 if interval.context_tokens is None else interval.context_tokens
+        self._mix = self._mix * mix_fade + np.array(
+            [interval.batch * n, ctx * n, interval.prompt_tokens]
+        )
+        self._mix_w = self._mix_w * mix_fade + n
         self._ctx_known = self._ctx_known or interval.context_tokens is not None
         self._span = [min(self._span[0], interval.batch), max(self._span[1], interval.batch)]
         self._solved = None
