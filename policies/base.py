@@ -41,8 +41,33 @@ def state(factory: Any) -> Any:
     return dataclasses.field(default_factory=factory, init=False, repr=False, compare=False)
 
 
+class Parametrised:
+    """Parameters as dataclass fields, per-run state rebuilt by `fresh()`: what policies and
+    routers (`policies.routing`) share. Subclasses are dataclasses with a `name`."""
+
+    name: ClassVar[str] = ""
+
+    def fresh(self) -> Self:
+        """A copy with the same parameters and empty per-run state."""
+        return type(self)(**self.params())
+
+    def params(self) -> dict[str, Any]:
+        """The parameters (init fields) as a plain dict."""
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        return {f.name: getattr(self, f.name) for f in fields if f.init}
+
+    def label(self) -> str:
+        """`name` plus any non-default parameters, e.g. `sagesched:cost=tokens`."""
+        changed = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if f.init and not f.metadata.get("engine") and getattr(self, f.name) != f.default
+        ]
+        return self.name + (":" + ",".join(changed) if changed else "")
+
+
 @dataclasses.dataclass(eq=False)
-class Policy(abc.ABC):
+class Policy(Parametrised, abc.ABC):
     """Base class of every policy. Subclasses are dataclasses registered by name.
 
     Class attributes answer the engine's questions:
@@ -130,20 +155,3 @@ class Policy(abc.ABC):
         """The job left the system for good (completed, failed, dropped or cancelled)."""
 
     # -- runs and parameters ------------------------------------------------------------
-
-    def fresh(self) -> Self:
-        """A copy with the same parameters and empty per-run state."""
-        return type(self)(**self.params())
-
-    def params(self) -> dict[str, Any]:
-        """The policy's parameters (init fields) as a plain dict."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-
-    def label(self) -> str:
-        """`name` plus any non-default parameters, e.g. `sagesched:cost=tokens`."""
-        changed = [
-            f"{f.name}={getattr(self, f.name)}"
-            for f in dataclasses.fields(self)
-            if f.init and not f.metadata.get("engine") and getattr(self, f.name) != f.default
-        ]
-        return self.name + (":" + ",".join(changed) if changed else "")

@@ -23,9 +23,9 @@ import abc
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, Self
+from typing import ClassVar, Protocol, Self
 
-from policies.base import state
+from policies.base import Parametrised, state
 from policies.cost import LinearProfile
 from policies.job import Job
 from policies.routing.prefix_index import PrefixIndexes, capacity_blocks
@@ -93,7 +93,7 @@ class BackendState:
 
 
 @dataclasses.dataclass(eq=False)
-class Router(abc.ABC):
+class Router(Parametrised, abc.ABC):
     """Base class of every router. Subclasses are dataclasses registered by name.
 
     Class attributes: `name` (CLI, label, report), `description` (one line), `uses_prefix`
@@ -126,23 +126,6 @@ class Router(abc.ABC):
     def on_engine(self, cost: LinearProfile) -> Self:
         """This router on backends whose per-request cost `cost` describes. Default: unchanged."""
         return self
-
-    def fresh(self) -> Self:
-        """A copy with the same parameters and empty per-run state."""
-        return type(self)(**self.params())
-
-    def params(self) -> dict[str, Any]:
-        """The router's parameters (init fields) as a plain dict."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-
-    def label(self) -> str:
-        """`name` plus any non-default parameters, e.g. `random:seed=3`."""
-        changed = [
-            f"{f.name}={getattr(self, f.name)}"
-            for f in dataclasses.fields(self)
-            if f.init and not f.metadata.get("engine") and getattr(self, f.name) != f.default
-        ]
-        return self.name + (":" + ",".join(changed) if changed else "")
 
 
 def open_backends(backends: Sequence[BackendState]) -> list[BackendState]:
