@@ -45,6 +45,7 @@ def one_run(i: int) -> dict[str, Any]:
     )  # fmt: skip
     row: dict[str, Any] = {"run": i, "rc": proc.returncode, "s": round(time.monotonic() - t0)}
     row["summary"] = (proc.stdout.strip().splitlines() or [""])[-1]
+    row["failed"] = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("FAILED")]
     if FIDELITY.exists():
         fid = json.loads(FIDELITY.read_text())
         row["fidelity"] = fid["ratio"]

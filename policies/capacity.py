@@ -93,8 +93,9 @@ class CapLaw:
     """A cap lowered by the KV limit is the most the curve may ask for during this long (KV
     room depends on the traffic's lengths, so it is looked at again)."""
     queue_hold_s: float = 600.0
-    """The same for a cap lowered by the engine's queue (its `max_num_seqs` or KV admission
-    changes with a restart, not with the traffic)."""
+    """The same for a cap lowered by the engine's queue after slow start (its `max_num_seqs`
+    or KV admission changes with a restart, not with the traffic); a queue during slow start
+    holds `limit_hold_s`."""
     plateau_fraction: float = 0.85
     """The efficient batch is the smallest whose throughput is this share of the plateau
     (elasticity of throughput to the batch 1 - f). Chosen on the real vLLM CPU build, whose
@@ -313,6 +314,9 @@ class CapController:
         full: bool,
     ) -> int:
         law = self.law
+        # a queue seen while the cap still doubles is the prefill backlog of the requests
+        # just admitted, not the engine's own limit: a short ceiling, like KV's
+        hold = law.limit_hold_s if full or self.slow_start else law.queue_hold_s
         self.slow_start = False
         new = self.cap - max(1, math.ceil(self.cap * law.backoff)) if full else self.cap - 1
         if sample.waiting is not None and not full:
@@ -320,7 +324,7 @@ class CapController:
             waiting = min(sample.waiting, last_waiting or 0.0)
             new = min(new, inflight - math.ceil(waiting) + int(law.waiting_high))
         new = self._clamp(new)
-        self._ceiling = (new, now + (law.limit_hold_s if full else law.queue_hold_s))
+        self._ceiling = (new, now + hold)
         return self._move(new, now)
 
     def _target(self, inflight: int) -> int:

@@ -37,6 +37,7 @@ A_S, B_SEQ_S, B_CTX_S, B_TOK_S = 0.010, 0.0003, 0.000003, 0.00005
 OUTPUT = (50, 150)
 """Answer lengths, uniform (inclusive)."""
 CLIENTS = 96
+WORDS = [f"w{i}" for i in range(100_000)]
 
 
 class Linear(LatencyProfile):
@@ -64,7 +65,10 @@ def knee(prompt_tokens: int, fraction: float = CapLaw().plateau_fraction) -> flo
 async def _client(session: aiohttp.ClientSession, url: str, prompt: str, seed: int) -> None:
     rng = random.Random(seed)
     while True:
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": rng.randint(*OUTPUT),
+        # a word of its own in front: no two prompts share a cached prefix (the knee assumes
+        # every prompt is prefilled in full)
+        unique = f"{rng.choice(WORDS)} {prompt}"
+        body = {"model": "tiny-llama", "prompt": unique, "max_tokens": rng.randint(*OUTPUT),
                 "ignore_eos": True}  # fmt: skip
         async with session.post(url + "/v1/completions", json=body) as r:
             await r.read()

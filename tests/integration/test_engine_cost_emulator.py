@@ -44,7 +44,9 @@ class Linear(LatencyProfile):
 async def _client(session: aiohttp.ClientSession, url: str, seed: int) -> None:
     rng = random.Random(seed)
     while True:
-        body = {"model": "tiny-llama", "prompt": "lorem ipsum " * rng.choice((20, 400)),
+        # a word of its own in front: no two prompts share a cached prefix
+        prompt = f"w{rng.randrange(10**9)} " + "lorem ipsum " * rng.choice((20, 400))
+        body = {"model": "tiny-llama", "prompt": prompt,
                 "max_tokens": rng.randint(30, 120), "ignore_eos": True}  # fmt: skip
         async with session.post(url + "/v1/completions", json=body) as r:
             await r.read()
@@ -82,13 +84,13 @@ async def test_the_fitted_engine_cost_orders_long_prompts_later(
             [{"url": emu, "max_inflight": 8}], policy="sagesched:cost=tokens",
             adaptive_cap=adaptive,
         )  # fmt: skip
-        keys = {}
+        keys = {}  # the policy's own key component (the gateway composes it into bands)
         for name, g in (("time", timed), ("tokens", tokens)):
             sched = g.state.dispatcher.scheduler("tiny-llama")
             dist = LengthDist.from_samples([20, 60, 120, 300])
             short = Job(1, 0.0, prompt_tokens=10, dist=dist)
             long = Job(2, 0.0, prompt_tokens=4000, dist=dist)
-            keys[name] = (sched.policy.key(short, 0.0)[0], sched.policy.key(long, 0.0)[0])
+            keys[name] = (sched.policy.key(short, 0.0)[-1], sched.policy.key(long, 0.0)[-1])
         cost = timed.state.pool.engine_profile("tiny-llama")
     finally:
         await runner.cleanup()
