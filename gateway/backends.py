@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 
 from gateway.config import AdaptiveCapConfig, BackendConfig
-from policies.capacity import CapController, CapLaw, EngineSample, combine_kv
+from policies.capacity import CapController, EngineSample, combine_kv
 from policies.cost import LinearProfile
 
 log = logging.getLogger(__name__)
@@ -79,19 +79,6 @@ class Backend:
 
     def has_room(self) -> bool:
         return self.healthy and self.inflight < self.cap
-
-
-def cap_law(cfg: AdaptiveCapConfig) -> CapLaw:
-    """The control law's parameters from the gateway config."""
-    return CapLaw(
-        interval_s=cfg.interval_s,
-        slow_start_interval_s=cfg.interval_s / 4,
-        min_cap=cfg.min_inflight,
-        max_cap=cfg.max_inflight,
-        kv_high=cfg.kv_high,
-        waiting_high=cfg.waiting_high,
-        plateau_fraction=cfg.plateau_fraction,
-    )
 
 
 def curve_view(b: Backend) -> dict[str, Any]:
@@ -210,7 +197,7 @@ class BackendPool:
         self.backends = [
             Backend(c, cap=c.max_inflight, models=frozenset(c.models)) for c in configs
         ]
-        self._law = cap_law(adaptive) if adaptive.enabled else None
+        self._law = adaptive.law() if adaptive.enabled else None
         self._memory_path = memory_path
         self._memory: dict[str, Any] = {}
         if self._law is not None:

@@ -14,9 +14,12 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from policies.capacity import CapLaw
 
 
 class ConfigError(ValueError):
@@ -80,6 +83,20 @@ class AdaptiveCapConfig:
     """JSON file the fitted engine curves are kept in (per backend and served model), so a
     restarted gateway starts at the last efficient batch. None: beside the predictor snapshot
     (`<snapshot_path>.engines.json`) when there is one, else not kept."""
+
+    def law(self) -> CapLaw:
+        """The control law's parameters. Raises ValueError when they are inconsistent."""
+        from policies.capacity import CapLaw
+
+        return CapLaw(
+            interval_s=self.interval_s,
+            slow_start_interval_s=self.interval_s / 4,
+            min_cap=self.min_inflight,
+            max_cap=self.max_inflight,
+            kv_high=self.kv_high,
+            waiting_high=self.waiting_high,
+            plateau_fraction=self.plateau_fraction,
+        )
 
     def memory_file(self, snapshot_path: str | None) -> str | None:
         """Where the curves are kept, given the predictor's snapshot path."""
@@ -422,12 +439,21 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError("shared_learning needs maxlen, buffer >= 1 and encoding int8 or float32")
     if config.shutdown_grace_s < 0:
         raise ConfigError("shutdown_grace_s must be >= 0")
+    _validate_cap(config.adaptive_cap)
     from policies import parse_policy
 
     try:
         parse_policy(config.policy)
     except ValueError as exc:
         raise ConfigError(f"policy: {exc}") from None
+
+
+def _validate_cap(cfg: AdaptiveCapConfig) -> None:
+    """The self-tuning cap's settings, checked by the control law itself (one set of rules)."""
+    try:
+        cfg.law()
+    except ValueError as exc:
+        raise ConfigError(f"adaptive_cap: {exc}") from None
 
 
 def load(
