@@ -50,27 +50,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.cost import LinearProfile
-from policies.engine_fit import EngineFit, Interval
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSample:
-    """One reading of an engine's own metrics; None = the series is unknown."""
-
-    waiting: float | None = None
-    """Requests waiting inside the engine (vLLM `num_requests_waiting`)."""
-    kv_usage: float | None = None
-    """KV-cache usage in [0, 1] (vLLM `kv_cache_usage_perc`)."""
-    generation_tokens: float | None = None
-    """Cumulative output tokens generated (vLLM `generation_tokens_total`)."""
-    running: float | None = None
-    """Requests in the engine's running batch (vLLM `num_requests_running`)."""
-    prompt_tokens: float | None = None
-    """Cumulative prompt tokens prefilled (vLLM `prompt_tokens_total`)."""
-    iterations: float | None = None
-    """Cumulative engine iterations (the count of vLLM's `iteration_tokens_total`)."""
-    kv_capacity_tokens: float | None = None
-    """Tokens the KV cache holds in all (vLLM `cache_config_info`: blocks × block size)."""
+from policies.engine_fit import (
+    EngineFit,
+    EngineSample,
+    Interval,
+    Reading,
+    interval_between,
+    merge,
+    same_batch,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,15 +132,6 @@ class CapLaw:
             raise ValueError("need 0 < backoff < 1, change_window >= 2, min_iterations > 0")
 
 
-@dataclass(slots=True)
-class _Reading:
-    """The previous sample's counters and the gateway's in-flight count then."""
-
-    now: float
-    sample: EngineSample
-    inflight: int
-
-
 class CapController:
     """One engine's cap. Call `observe` once per sample, in time order; read `cap`.
 
@@ -168,7 +147,7 @@ class CapController:
         self._settled = False
         self.changes = 0
         """Times the engine stopped matching its curve and the fit started over."""
-        self._last: _Reading | None = None
+        self._last: Reading | None = None
         self._waiting: float | None = None
         """The engine queue at the previous sample."""
         self._ceiling: tuple[int, float] | None = None
@@ -226,8 +205,8 @@ class CapController:
         law = self.law
         if sample == EngineSample():
             return self.cap  # nothing known (no metrics endpoint): keep the configured cap
-        last, self._last = self._last, _Reading(now, sample, inflight)
-        interval = None if last is None else _interval(last, self._last)
+        last, self._last = self._last, Reading(now, sample, inflight)
+        interval = None if last is None else interval_between(last, self._last)
         if interval is None:
             self._flush()
         else:
@@ -256,10 +235,10 @@ class CapController:
         engine iterations: a count of 2 or 3 iterations in a sample is a ±30% error from
         rounding alone (a vLLM CPU iteration takes 20-300 ms)."""
         pending = self._pending
-        if pending is not None and not _same_batch(pending.batch, interval.batch):
+        if pending is not None and not same_batch(pending.batch, interval.batch):
             self._flush()
             pending = None
-        merged = interval if pending is None else _merge(pending, interval)
+        merged = interval if pending is None else merge(pending, interval)
         if merged.iterations >= self.law.min_iterations:
             self._pending = None
             self._learn(merged)
@@ -279,7 +258,7 @@ class CapController:
         median error of the last `change_window` intervals is that far off, the engine has
         changed: the fit starts over from the held-out intervals."""
         law = self.law
-        if _same_batch(interval.batch, self.cap) or interval.batch >= self.cap:
+        if same_batch(interval.batch, self.cap) or interval.batch >= self.cap:
             self._observed = True
         enough = self.fit.observations >= law.min_observations
         judged = self.fit.residual(interval) if enough else None
@@ -395,67 +374,6 @@ class CapController:
 
 MIN_SPAN = 1.5
 """The fit is used only once the batches it saw span at least this factor."""
-STEADY_BATCH = 1.25
-"""An interval is fitted only if the batch at its ends differs by at most this factor."""
-
-
-def _interval(last: _Reading, now: _Reading) -> Interval | None:
-    """What the engine did between two readings, if it ran throughout and its counters
-    moved forward; None otherwise."""
-    a, b = last.sample, now.sample
-    dt = now.now - last.now
-    if a.generation_tokens is None or b.generation_tokens is None or dt <= 0:
-        return None
-    tokens = b.generation_tokens - a.generation_tokens
-    if tokens <= 0:
-        return None
-    if a.running is not None and b.running is not None:
-        ends = (a.running, b.running)
-    else:
-        ends = (float(last.inflight), float(now.inflight))
-    if min(ends) < 1 or not _same_batch(*ends):
-        # idle at one end (part of the interval may have been idle), or the batch moved
-        # (after a cap change or while a burst drains): its mean batch is not known
-        return None
-    batch = (ends[0] + ends[1]) / 2
-    iterations = _delta(a.iterations, b.iterations)
-    if iterations is None or iterations <= 0:
-        iterations = tokens / batch
-    prompt = _delta(a.prompt_tokens, b.prompt_tokens) or 0.0
-    context = None
-    if (
-        a.kv_usage is not None
-        and b.kv_usage is not None
-        and b.kv_capacity_tokens is not None
-        and b.kv_capacity_tokens > 0
-    ):
-        context = (a.kv_usage + b.kv_usage) / 2 * b.kv_capacity_tokens
-    return Interval(dt, iterations, batch, max(prompt, 0.0), context)
-
-
-def _same_batch(a: float, b: float) -> bool:
-    return max(a, b) <= STEADY_BATCH * min(a, b)
-
-
-def _merge(a: Interval, b: Interval) -> Interval:
-    """Two consecutive intervals as one (batch and context weighted by iterations)."""
-    n = a.iterations + b.iterations
-    context = None
-    if a.context_tokens is not None and b.context_tokens is not None:
-        context = (a.context_tokens * a.iterations + b.context_tokens * b.iterations) / n
-    return Interval(
-        seconds=a.seconds + b.seconds,
-        iterations=n,
-        batch=(a.batch * a.iterations + b.batch * b.iterations) / n,
-        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
-        context_tokens=context,
-    )
-
-
-def _delta(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b < a:
-        return None
-    return b - a
 
 
 def combine_kv(values: list[float]) -> float | None:

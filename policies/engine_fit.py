@@ -24,6 +24,10 @@ Two things follow from the fit:
 - **The engine's cost per request** (`profile`): the `LinearProfile` the `time` cost model and
   SageSched's preemption rule read, at the batch the cap runs.
 
+`EngineSample` is one reading of an engine's own series (vLLM's `/metrics`, the engine
+model's state); `interval_between` turns two readings into an `Interval` when the engine ran
+one batch size throughout, and `merge` joins consecutive ones.
+
 Time is a number passed in; nothing here reads a clock.
 """
 
@@ -61,6 +65,98 @@ class Interval:
         n = self.iterations
         ctx = 0.0 if self.context_tokens is None else self.context_tokens
         return [1.0, self.batch, ctx, self.prompt_tokens / n], self.seconds / n
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One reading of an engine's own metrics; None = the series is unknown."""
+
+    waiting: float | None = None
+    """Requests waiting inside the engine (vLLM `num_requests_waiting`)."""
+    kv_usage: float | None = None
+    """KV-cache usage in [0, 1] (vLLM `kv_cache_usage_perc`)."""
+    generation_tokens: float | None = None
+    """Cumulative output tokens generated (vLLM `generation_tokens_total`)."""
+    running: float | None = None
+    """Requests in the engine's running batch (vLLM `num_requests_running`)."""
+    prompt_tokens: float | None = None
+    """Cumulative prompt tokens prefilled (vLLM `prompt_tokens_total`)."""
+    iterations: float | None = None
+    """Cumulative engine iterations (the count of vLLM's `iteration_tokens_total`)."""
+    kv_capacity_tokens: float | None = None
+    """Tokens the KV cache holds in all (vLLM `cache_config_info`: blocks × block size)."""
+
+
+@dataclass(slots=True)
+class Reading:
+    """One sample of an engine's counters and the gateway's in-flight count then."""
+
+    now: float
+    sample: EngineSample
+    inflight: int
+
+
+STEADY_BATCH = 1.25
+"""An interval is fitted only if the batch at its ends differs by at most this factor."""
+
+
+def interval_between(last: Reading, now: Reading) -> Interval | None:
+    """What the engine did between two readings, if it ran throughout and its counters
+    moved forward; None otherwise."""
+    a, b = last.sample, now.sample
+    dt = now.now - last.now
+    if a.generation_tokens is None or b.generation_tokens is None or dt <= 0:
+        return None
+    tokens = b.generation_tokens - a.generation_tokens
+    if tokens <= 0:
+        return None
+    if a.running is not None and b.running is not None:
+        ends = (a.running, b.running)
+    else:
+        ends = (float(last.inflight), float(now.inflight))
+    if min(ends) < 1 or not same_batch(*ends):
+        # idle at one end (part of the interval may have been idle), or the batch moved
+        # (after a cap change or while a burst drains): its mean batch is not known
+        return None
+    batch = (ends[0] + ends[1]) / 2
+    iterations = _delta(a.iterations, b.iterations)
+    if iterations is None or iterations <= 0:
+        iterations = tokens / batch
+    prompt = _delta(a.prompt_tokens, b.prompt_tokens) or 0.0
+    context = None
+    if (
+        a.kv_usage is not None
+        and b.kv_usage is not None
+        and b.kv_capacity_tokens is not None
+        and b.kv_capacity_tokens > 0
+    ):
+        context = (a.kv_usage + b.kv_usage) / 2 * b.kv_capacity_tokens
+    return Interval(dt, iterations, batch, max(prompt, 0.0), context)
+
+
+def same_batch(a: float, b: float) -> bool:
+    return max(a, b) <= STEADY_BATCH * min(a, b)
+
+
+def merge(a: Interval, b: Interval) -> Interval:
+    """Two consecutive intervals as one (batch and context weighted by iterations)."""
+    n = a.iterations + b.iterations
+    context = None
+    if a.context_tokens is not None and b.context_tokens is not None:
+        context = (a.context_tokens * a.iterations + b.context_tokens * b.iterations) / n
+    return Interval(
+        seconds=a.seconds + b.seconds,
+        iterations=n,
+        batch=(a.batch * a.iterations + b.batch * b.iterations) / n,
+        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+        context_tokens=context,
+    )
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b < a:
+        return None
+    return b - a
 
 
 class EngineFit:
@@ -293,4 +389,13 @@ class EngineFit:
         return fit
 
 
-__all__ = ["FEATURES", "EngineFit", "Interval"]
+__all__ = [
+    "FEATURES",
+    "EngineFit",
+    "EngineSample",
+    "Interval",
+    "Reading",
+    "interval_between",
+    "merge",
+    "same_batch",
+]
