@@ -5,8 +5,9 @@ vLLM CPU server pinned to the engine CPUs, nothing else alive): the emulator's f
 (median over 3 pairs of emulator/vLLM median TTFT and TTLT, asserted within 30%), the
 gateway's gain (median over 3 rounds of gateway-SageSched / vLLM-alone mean TTLT, asserted
 at most 0.8; each round's ratio and the caps at its end are recorded) and the self-tuning
-cap against the emulator. After each run this reads what the tests wrote (`.cache/emulator-fidelity.json`,
-`.cache/validation.json`), prints one row, and appends it to `.cache/gating-runs.jsonl`.
+cap against the emulator. After each run this reads what the tests wrote
+(`.cache/emulator-fidelity.json`, `.cache/validation.json`), prints one row, and appends it
+to `.cache/gating-runs.jsonl`.
 The last line is the pass count.
 
 Run: `.venv/bin/python bench/gating_runs.py [--runs 10]` (about 6 minutes a run; needs
