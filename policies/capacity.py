@@ -80,6 +80,9 @@ class CapLaw:
     limit_hold_s: float = 30.0
     """A cap lowered by the KV limit is the most the curve may ask for during this long (KV
     room depends on the traffic's lengths, so it is looked at again)."""
+    queue_confirm_s: float = 5.0
+    """After slow start, how long the engine's queue must stay above `waiting_high` before it
+    counts as a limit."""
     queue_hold_s: float = 600.0
     """The same for a cap lowered by the engine's queue after slow start (its `max_num_seqs`
     or KV admission changes with a restart, not with the traffic); a queue during slow start
@@ -150,6 +153,8 @@ class CapController:
         self._last: Reading | None = None
         self._waiting: float | None = None
         """The engine queue at the previous sample."""
+        self._queue_since: float | None = None
+        """When the engine's queue was first seen above `waiting_high` (None: it is not)."""
         self._ceiling: tuple[int, float] | None = None
         """(cap, until) set by the last limit."""
         self._errors: deque[float] = deque(maxlen=law.change_window)
@@ -211,13 +216,20 @@ class CapController:
             self._flush()
         else:
             self._gather(interval)
-        # a queue counts once it is seen twice in a row: a prompt waiting one step for the
-        # token budget is no sign of a full batch
+        # a queue counts once it is seen twice in a row and, after slow start, for
+        # `queue_confirm_s`: prompts waiting a few steps for the token budget (a burst's prefill
+        # backlog) are no sign of a full batch; a `max_num_seqs` or KV admission limit stays
         last_waiting, self._waiting = self._waiting, sample.waiting
+        waiting = sample.waiting is not None and sample.waiting > law.waiting_high
+        if not waiting:
+            self._queue_since = None
+        elif self._queue_since is None:
+            self._queue_since = now
         queued = (
-            sample.waiting is not None
+            waiting
             and last_waiting is not None
-            and min(sample.waiting, last_waiting) > law.waiting_high
+            and last_waiting > law.waiting_high
+            and (self.slow_start or now - (self._queue_since or now) >= law.queue_confirm_s)
         )
         full = sample.kv_usage is not None and sample.kv_usage > law.kv_high
         if queued or full:

@@ -150,6 +150,23 @@ def test_waiting_limit_cuts_to_running_plus_allowance() -> None:
     assert not ctl.slow_start
 
 
+def test_after_slow_start_a_queue_must_last_to_count() -> None:
+    """A burst's prefill backlog (prompts waiting a few steps for the token budget) is no
+    limit; a queue that stays `queue_confirm_s` is. (30 in flight under a cap of 40: the cap
+    does not bind, so nothing but the queue can move it.)"""
+    ctl = CapController(CapLaw(waiting_high=2, queue_confirm_s=5.0), 40)
+    ctl.slow_start = False
+
+    def queue(t: int, waiting: float) -> int:
+        return ctl.observe(float(t), EngineSample(waiting, 0.5, 100.0 * t), 30)
+
+    assert [queue(t, 10.0) for t in range(1, 5)] == [40] * 4  # 3 s of queue: a backlog
+    queue(5, 0.0)  # it clears
+    caps = [queue(t, 10.0) for t in range(6, 13)]
+    # 5 s of queue: the engine runs no more than 20; the cap goes to that plus the allowance
+    assert caps[:5] == [40] * 5 and caps[5] == 30 - 10 + 2, caps
+
+
 def test_kv_limit_backs_off_and_holds_a_ceiling() -> None:
     ctl = CapController(CapLaw(kv_high=0.9, backoff=0.125, limit_hold_s=30.0), 80)
     assert ctl.observe(1.0, EngineSample(0.0, 0.95, 0.0), 80) == 70
