@@ -31,6 +31,7 @@ finished (no drain cut-off), so every record completes unless a prompt can never
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
@@ -269,7 +270,7 @@ class _FleetRun:
             b: BackendState | None
             if self.fleet.slot_first and len(free) == 1:
                 b = free[0]
-                job = sched.dispatch_for(t, lambda j, b=b: self._cached(j, b))
+                job = sched.dispatch_for(t, functools.partial(self._cached, b=b))
             else:
                 job = sched.dispatch(t)
                 b = self.router.pick(job, states) if job is not None else None

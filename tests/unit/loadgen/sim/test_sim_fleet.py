@@ -58,7 +58,7 @@ def test_one_backend_is_the_single_engine_simulator() -> None:
 
 def test_hits_come_from_the_engines_where_the_router_sent_the_turns() -> None:
     # turn 2 re-sends turn 1's 40 blocks; sticky routing finds them, round-robin cannot
-    reqs = [_req(0.0, range(40), 16, "s"), _req(1.0, list(range(40)) + [99], 4, "s", think=0.5)]
+    reqs = [_req(0.0, range(40), 16, "s"), _req(1.0, [*range(40), 99], 4, "s", think=0.5)]
     sticky = simulate_fleet(reqs, "fcfs", "session", Fleet(2, ENGINE))
     spread = simulate_fleet(reqs, "fcfs", "round-robin", Fleet(2, ENGINE))
     assert sticky.routed in ([2, 0], [0, 2]) and spread.routed == [1, 1]
@@ -70,7 +70,7 @@ def test_hits_come_from_the_engines_where_the_router_sent_the_turns() -> None:
 
 def test_a_later_turn_arrives_its_think_time_after_the_previous_one_ends() -> None:
     reqs = [_req(0.0, range(30), 40, "a"), _req(0.1, range(500, 530), 40, "b"),
-            _req(5.0, list(range(30)) + [7], 10, "a", think=1.5)]  # fmt: skip
+            _req(5.0, [*range(30), 7], 10, "a", think=1.5)]  # fmt: skip
     res = simulate_fleet(reqs, "sagesched:cost=time", "sagesched", Fleet(2, ENGINE))
     first, turn = res.records[0], res.records[2]
     assert first.finish_s is not None
