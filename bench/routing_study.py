@@ -36,6 +36,7 @@ Means over seeds with 95% t-intervals; ratios are paired per seed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -49,6 +50,7 @@ import numpy as np
 from scipy import stats as sps
 
 from loadgen.engine.configs import engine_config
+from loadgen.metrics import RequestRecord
 from loadgen.schema import TraceRequest
 from loadgen.sim.fleet import Fleet, lru_hit_ratio, simulate_fleet
 from loadgen.traces import load_requests
@@ -60,8 +62,10 @@ QUEUES = {"fcfs": "fcfs", "sagesched": "sagesched:cost=time"}
 WORKLOADS = ("sessions", "mooncake-synthetic", "mooncake-conversation")
 OURS, LLMD, BASE = "sagesched", "prefix", "least-loaded"
 REL_ERROR = 0.5
-METRICS = ("ttft_mean", "ttft_p99", "ttlt_mean", "hit", "throughput")
-DIGITS = (3, 2, 3, 3, 2)
+MAX_THINK_S = 60.0
+MAX_TURNS = 8
+METRICS = ("ttft_mean", "ttft_p99", "ttlt_mean", "hit", "throughput", "load_seen")
+DIGITS = (3, 2, 3, 3, 2, 2)
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -69,9 +73,10 @@ DIGITS = (3, 2, 3, 3, 2)
 
 def sessions_window(n_requests: int, seed: int, think_scale: float) -> list[TraceRequest]:
     """ShareGPT sessions, about `n_requests` turns, starting at one session per second."""
-    think = ThinkTime(median_s=135.7 / think_scale, sigma=1.67, max_s=120.0)
-    n_sessions = max(1, round(n_requests / 3.37))  # ShareGPT: 3.37 turns per session
-    return session_workload("sharegpt", n_sessions, 1.0, think=think, seed=seed)
+    think = ThinkTime(median_s=135.7 / think_scale, sigma=1.67, max_s=MAX_THINK_S)
+    n_sessions = max(1, round(n_requests / 3.2))  # ShareGPT, ≤ 8 turns: 3.2 turns a session
+    return session_workload("sharegpt", n_sessions, 1.0, think=think, max_turns=MAX_TURNS,
+                            seed=seed)  # fmt: skip
 
 
 def at_rate(requests: Sequence[TraceRequest], rate: float) -> list[TraceRequest]:
@@ -96,15 +101,21 @@ def at_rate(requests: Sequence[TraceRequest], rate: float) -> list[TraceRequest]
     return out
 
 
-def window(workload: str, n: int, seed: int, think_scale: float) -> list[TraceRequest]:
+@functools.lru_cache(maxsize=2)
+def window(workload: str, n: int, seed: int, think_scale: float) -> tuple[TraceRequest, ...]:
     """Seed `seed`'s window of `workload` at its own arrival times."""
     if workload == "sessions":
-        return sessions_window(n, seed, think_scale)
+        return tuple(sessions_window(n, seed, think_scale))
     rows = load_requests(workload)
     lo = min(seed * n, max(len(rows) - n, 0))
     part = rows[lo : lo + n]
     t0 = part[0].arrival_s
-    return [replace(r, arrival_s=r.arrival_s - t0) for r in part]
+    return tuple(replace(r, arrival_s=r.arrival_s - t0) for r in part)
+
+
+def size(args: argparse.Namespace, workload: str) -> int:
+    """Requests in a window of `workload` (sessions: turns, about)."""
+    return int(args.session_requests if workload == "sessions" else args.requests)
 
 
 def turns_per_first(requests: Sequence[TraceRequest]) -> float:
@@ -146,15 +157,24 @@ def key(*parts: object) -> str:
 
 
 def fleet_for(args: argparse.Namespace, backends: int) -> Fleet:
-    return Fleet(backends, engine_config("h200-llama3-8b"), "h200-llama3-8b", args.cap)
+    engine = engine_config("h200-llama3-8b")
+    return Fleet(backends, engine, "h200-llama3-8b", args.cap, precise=args.precise)
+
+
+def load_seen(records: Sequence[RequestRecord], knee_rps: float) -> float:
+    """Arrivals per second over the middle 80% of the run's arrivals, over the knee: the load
+    a window really offers (session turns arrive by think time, so it ramps up and down)."""
+    a = np.sort([r.arrival_s for r in records])
+    lo, hi = a[len(a) // 10], a[9 * len(a) // 10]
+    return 0.8 * len(a) / (hi - lo) / knee_rps if hi > lo else math.nan
 
 
 def knee(args: argparse.Namespace, runs: Runs, workload: str, backends: int) -> float:
     """Saturated throughput (req/s) of FCFS + least-loaded, seed 0's window all at once."""
-    k = key("knee", workload, backends, args.requests, args.cap, args.think_scale)
+    k = key("knee", workload, backends, size(args, workload), args.cap, args.think_scale)
     row = runs.get(k)
     if row is None:
-        base = window(workload, args.requests, 0, args.think_scale)
+        base = window(workload, size(args, workload), 0, args.think_scale)
         reqs = at_rate([replace(r, think_s=None) for r in base], math.inf)
         res = simulate_fleet(reqs, "fcfs", BASE, fleet_for(args, backends),
                              beliefs=beliefs(reqs, 0))  # fmt: skip
@@ -162,7 +182,9 @@ def knee(args: argparse.Namespace, runs: Runs, workload: str, backends: int) -> 
         late = sum(half <= (r.finish_s or -1.0) <= res.saturated_s for r in res.records)
         row = {**res.summary(), "wall_s": res.wall_s, "knee": late / half if half else math.nan}
         if math.isnan(row["knee"]):
-            raise ValueError(f"{workload}: a window of {args.requests} never fills the fleet")
+            raise ValueError(
+                f"{workload}: a window of {size(args, workload)} never fills the fleet"
+            )
         runs.put(k, row)
         print(f"knee {workload} B={backends}: {row['knee']:.2f} req/s "
               f"({res.wall_s:.1f} s)", flush=True)  # fmt: skip
@@ -175,9 +197,11 @@ def sweep(args: argparse.Namespace, runs: Runs) -> None:
         for backends in args.backends:
             mu = knee(args, runs, workload, backends)
             for seed in range(args.seeds):
-                base = window(workload, args.requests, seed, args.think_scale)
+                base = window(workload, size(args, workload), seed, args.think_scale)
                 per_first = turns_per_first(base)
-                bound_key = key("bound", workload, backends, args.requests, seed, args.think_scale)
+                bound_key = key(
+                    "bound", workload, backends, size(args, workload), seed, args.think_scale
+                )
                 if runs.get(bound_key) is None:
                     cap = fleet_for(args, backends).kv_tokens
                     bounds = {f"x{m}": lru_hit_ratio(base, cap * m) for m in (1, 4, 16)}
@@ -187,13 +211,14 @@ def sweep(args: argparse.Namespace, runs: Runs) -> None:
                     bel = beliefs(reqs, seed)
                     for queue in args.queues:
                         for router in args.routers:
-                            k = key("run", workload, backends, args.requests, args.cap,
-                                    args.think_scale, load, seed, queue, router)  # fmt: skip
+                            k = key("run", workload, backends, size(args, workload), args.cap,
+                                    args.think_scale, load, seed, queue, router,
+                                    args.precise)  # fmt: skip
                             if runs.get(k) is not None:
                                 continue
                             fleet = fleet_for(args, backends)
                             res = simulate_fleet(reqs, QUEUES[queue], router, fleet, beliefs=bel)
-                            s = res.summary()
+                            s = res.summary() | {"load_seen": load_seen(res.records, mu)}
                             runs.put(k, {**s, "wall_s": res.wall_s})
                             print(f"{workload} B={backends} load {load} seed {seed} {queue:>9} "
                                   f"{router:>12}: TTFT {s['ttft_mean']:.3f} TTLT "
@@ -233,14 +258,15 @@ class Report:
                name: str) -> list[float]:  # fmt: skip
         a, out = self.args, []
         for seed in range(a.seeds):
-            row = self.runs.get(key("run", workload, b, a.requests, a.cap, a.think_scale, load,
-                                    seed, queue, router))  # fmt: skip
+            k = key("run", workload, b, size(a, workload), a.cap, a.think_scale, load, seed,
+                    queue, router, a.precise)  # fmt: skip
+            row = self.runs.get(k)
             out.append(math.nan if row is None else float(row[name]))
         return out
 
     def bound(self, workload: str, b: int, which: str) -> list[float]:
         a = self.args
-        rows = [self.runs.get(key("bound", workload, b, a.requests, s, a.think_scale))
+        rows = [self.runs.get(key("bound", workload, b, size(a, workload), s, a.think_scale))
                 for s in range(a.seeds)]  # fmt: skip
         return [math.nan if r is None else float(r[which]) for r in rows]
 
@@ -251,7 +277,7 @@ class Report:
         a, lines = self.args, []
         for workload in a.workloads:
             for b in a.backends:
-                k = self.runs.get(key("knee", workload, b, a.requests, a.cap, a.think_scale))
+                k = self.runs.get(key("knee", workload, b, size(a, workload), a.cap, a.think_scale))
                 mu = math.nan if k is None else k["knee"]
                 lines += [f"### {workload}, {b} backends (knee {mu:.2f} req/s)", ""]
                 bounds = ", ".join(f"{w}: {fmt(self.bound(workload, b, w))}"
@@ -261,7 +287,8 @@ class Report:
                 for load in a.loads:
                     lines += [f"Load {load} ({load * mu:.2f} req/s):", "",
                               "| queue | router | mean TTFT s | p99 TTFT s | mean TTLT s | "
-                              "hit ratio | req/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+                              "hit ratio | req/s | load seen |",
+                              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
                     for q in a.queues:
                         for r in a.routers:
                             m = [self.metric(workload, b, load, q, r, n) for n in METRICS]
@@ -328,7 +355,8 @@ def write_report(args: argparse.Namespace, runs: Runs, command: str) -> None:
         "",
         (__doc__ or "").split("\n\n", 3)[3].strip(),
         "",
-        f"Seeds: {args.seeds}; {args.requests} requests a window; cap {args.cap} per backend; "
+        f"Seeds: {args.seeds}; windows of {args.requests} Mooncake requests and "
+        f"{args.session_requests} session turns (about); cap {args.cap} per backend; "
         f"{len(walls)} cached runs, {sum(walls):.0f} s of simulation.",
         "",
         "## Targets (4 backends, SageSched in the queue unless said)",
@@ -351,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--cap", type=int, default=32)
     ap.add_argument("--think-scale", type=float, default=20.0)
+    ap.add_argument("--session-requests", type=int, default=6000)
+    ap.add_argument("--precise", action="store_true", help="routers read the engines' caches")
     ap.add_argument("--queues", nargs="*", default=list(QUEUES), choices=list(QUEUES))
     ap.add_argument("--routers", nargs="*", default=router_names())
     ap.add_argument("--runs", type=Path, default=Path("docs/study/routing/runs.jsonl"))

@@ -13,7 +13,8 @@ built for issue 29 part 4, made reusable for the routing study (docs/routing.md)
 - the router sees each backend as a `BackendState` refreshed from its engine model at every
   step end and every send: in flight (the gateway's count), cap, the engine's waiting queue,
   KV use, KV blocks. The engine's own cache is not shown to the router (`index` None), so
-  prefix routers match against what they sent (llm-d's approximate mode);
+  prefix routers match against what they sent (llm-d's approximate mode), unless
+  `fleet.precise` (then `index` reads the engine's cache: llm-d's precise mode);
 - session turns (`TraceRequest.think_s`) are released `think_s` after the previous turn's last
   token, as `simulate` does, with the engine chains of `simulator.engine_chains` (a turn's
   answer is cached where it was generated);
@@ -71,6 +72,9 @@ class Fleet:
     """The gateway's in-flight cap per backend (requests)."""
     slot_first: bool = True
     """A slot that frees alone goes to the waiting job best there (`Scheduler.dispatch_for`)."""
+    precise: bool = False
+    """Show prefix routers each engine's real cache (`BackendState.index`, llm-d's "precise"
+    mode, vLLM's KV events) instead of their own record of what they sent."""
 
     def __post_init__(self) -> None:
         if self.backends < 1 or self.cap < 1:
@@ -157,6 +161,26 @@ def fleet_jobs(
     return jobs, records
 
 
+class _EngineIndex:
+    """An engine's prefix cache as a router's `PrefixLookup` (what vLLM's KV events tell)."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def match(self, prefix: Sequence[int]) -> int:
+        cache = self.engine.cache
+        if cache is None:
+            return 0
+        n = 0
+        for h in prefix:
+            if h not in cache.refs:
+                break
+            n += 1
+        return n
+
+
 class _FleetRun:
     """State of one fleet simulation; `run()` is the loop."""
 
@@ -182,8 +206,9 @@ class _FleetRun:
                 fleet.cap,
                 kv_blocks=fleet.engine.kv_blocks,
                 block_tokens=fleet.engine.block_tokens,
+                index=_EngineIndex(e) if fleet.precise else None,
             )
-            for i in range(fleet.backends)
+            for i, e in enumerate(self.engines)
         ]
         self.ends = [math.inf] * fleet.backends
         """End time of each engine's step in progress (inf: idle)."""

@@ -120,3 +120,16 @@ def test_lru_hit_ratio_counts_tokens_and_evicts_least_recent() -> None:
     # at most prompt − 1 tokens hit: a prompt of exactly 10 blocks hits 9
     exact = [_req(0.0, a), _req(1.0, a)]
     assert lru_hit_ratio(exact, math.inf) == pytest.approx(144 / 320)
+
+
+def test_precise_routers_read_what_the_engines_really_hold() -> None:
+    # KV for about two of the six system prompts per backend: the approximate index (sized to
+    # the KV, but blind to what running requests hold) and the engine's cache disagree
+    reqs = _shared_prefix_workload(200, systems=6, seed=2)
+    engine = ENGINE.with_(kv_tokens=16 * 300)
+    approx = simulate_fleet(reqs, "fcfs", "prefix", Fleet(2, engine, cap=4))
+    precise = simulate_fleet(reqs, "fcfs", "prefix", Fleet(2, engine, cap=4, precise=True))
+    assert precise.routed != approx.routed
+    assert all(r.completed for r in precise.records)
+    base = simulate_fleet(reqs, "fcfs", "least-loaded", Fleet(2, engine, cap=4))
+    assert precise.hit_ratio > base.hit_ratio + 0.05
