@@ -204,7 +204,7 @@ def sweep(args: argparse.Namespace, runs: Runs) -> None:
                 )
                 if runs.get(bound_key) is None:
                     cap = fleet_for(args, backends).kv_tokens
-                    bounds = {f"x{m}": lru_hit_ratio(base, cap * m) for m in (1, 4, 16)}
+                    bounds = {f"x{m}": lru_hit_ratio(base, cap * m) for m in (0.5, 1, 4, 16)}
                     runs.put(bound_key, bounds | {"inf": lru_hit_ratio(base, math.inf)})
                 for load in args.loads:
                     reqs = at_rate(base, load * mu / per_first)
@@ -281,9 +281,9 @@ class Report:
                 mu = math.nan if k is None else k["knee"]
                 lines += [f"### {workload}, {b} backends (knee {mu:.2f} req/s)", ""]
                 bounds = ", ".join(f"{w}: {fmt(self.bound(workload, b, w))}"
-                                   for w in ("x1", "x4", "x16", "inf"))  # fmt: skip
-                lines += [f"Hit ratio of one LRU cache of the fleet's KV × 1 (the capacity "
-                          f"bound), × 4, × 16, unbounded — {bounds}", ""]  # fmt: skip
+                                   for w in ("x0.5", "x1", "x4", "x16", "inf"))  # fmt: skip
+                lines += [f"Hit ratio of one LRU cache of the fleet's KV × 0.5, × 1 (the "
+                          f"capacity bound), × 4, × 16, unbounded — {bounds}", ""]  # fmt: skip
                 for load in a.loads:
                     lines += [f"Load {load} ({load * mu:.2f} req/s):", "",
                               "| queue | router | mean TTFT s | p99 TTFT s | mean TTLT s | "
@@ -363,6 +363,7 @@ def write_report(args: argparse.Namespace, runs: Runs, command: str) -> None:
         "",
         *rep.targets(),
         "",
+        *([args.notes.read_text().strip(), ""] if args.notes and args.notes.exists() else []),
         "## Tables",
         "",
         *rep.tables(),
@@ -386,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--runs", type=Path, default=Path("docs/study/routing/runs.jsonl"))
     ap.add_argument("--out", type=Path, default=Path("docs/routing.md"))
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--notes", type=Path, help="a Markdown file put after the targets")
     args = ap.parse_args(argv)
     runs = Runs(args.runs)
     wall = time.perf_counter()
