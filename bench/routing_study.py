@@ -341,8 +341,38 @@ class Report:
         return lines
 
 
+def plot(rep: Report, path: Path) -> None:
+    """Mean TTFT and TTLT against load, one line per router (SageSched queue), per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = rep.args
+    b = 4 if 4 in a.backends else a.backends[0]
+    fig, axes = plt.subplots(2, len(a.workloads), figsize=(4.2 * len(a.workloads), 6.4),
+                             squeeze=False)  # fmt: skip
+    for col, w in enumerate(a.workloads):
+        for row, metric in enumerate(("ttft_mean", "ttlt_mean")):
+            ax = axes[row][col]
+            for r in a.routers:
+                means = [ci(rep.metric(w, b, x, "sagesched", r, metric)) for x in a.loads]
+                ax.errorbar(a.loads, [m for m, _ in means], yerr=[h for _, h in means],
+                            label=r, marker="o", capsize=2)  # fmt: skip
+            ax.set_title(f"{w}, {b} backends")
+            ax.set_xlabel("load (× knee)")
+            ax.set_ylabel(f"mean {metric.split('_')[0].upper()} s (SageSched queue)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_report(args: argparse.Namespace, runs: Runs, command: str) -> None:
     rep = Report(args, runs)
+    figure = args.out.parent / "study" / "routing" / (args.out.stem + ".png")
+    plot(rep, figure)
     walls = [float(r["wall_s"]) for r in runs.rows.values() if "wall_s" in r]
     head = [
         "# Routing study (issue 29 part 5)",
@@ -365,6 +395,8 @@ def write_report(args: argparse.Namespace, runs: Runs, command: str) -> None:
         "",
         *([args.notes.read_text().strip(), ""] if args.notes and args.notes.exists() else []),
         "## Tables",
+        "",
+        f"![mean TTFT and TTLT against load]({figure.relative_to(args.out.parent)})",
         "",
         *rep.tables(),
     ]
