@@ -30,7 +30,9 @@ sessions would offer; a finite window ramps up and down around it).
 Predictions: a noisy oracle (log-normal, 50% relative error, seeded) for every job, which both
 SageSched and the `sagesched` router read. The capacity bound is `lru_hit_ratio` of the window
 (one LRU cache of the whole fleet's KV, timing ignored), also at 4× and 16× and unbounded.
-Means over seeds with 95% t-intervals; ratios are paired per seed.
+Means over seeds with 95% t-intervals; ratios are paired per seed. Tables: "load seen" is the
+arrival rate over the middle 80% of a run's arrivals over the knee; "busiest / mean" the
+requests the busiest backend got over the mean per backend.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ OURS, LLMD, BASE = "sagesched", "prefix", "least-loaded"
 REL_ERROR = 0.5
 MAX_THINK_S = 60.0
 MAX_TURNS = 8
-METRICS = ("ttft_mean", "ttft_p99", "ttlt_mean", "hit", "throughput", "load_seen")
-DIGITS = (3, 2, 3, 3, 2, 2)
+METRICS = ("ttft_mean", "ttft_p99", "ttlt_mean", "hit", "throughput", "load_seen", "imbalance")
+DIGITS = (3, 2, 3, 3, 2, 2, 2)
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -287,8 +289,8 @@ class Report:
                 for load in a.loads:
                     lines += [f"Load {load} ({load * mu:.2f} req/s):", "",
                               "| queue | router | mean TTFT s | p99 TTFT s | mean TTLT s | "
-                              "hit ratio | req/s | load seen |",
-                              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                              "hit ratio | req/s | load seen | busiest / mean |",
+                              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
                     for q in a.queues:
                         for r in a.routers:
                             m = [self.metric(workload, b, load, q, r, n) for n in METRICS]

@@ -113,7 +113,8 @@ class FleetResult:
         return self.prefix_cache_hits / q if q else math.nan
 
     def summary(self) -> dict[str, float]:
-        """Mean and p99 TTFT, mean TTLT (s), hit ratio, throughput (req/s over the makespan)."""
+        """Mean and p99 TTFT, mean TTLT (s), hit ratio, throughput (req/s over the makespan),
+        imbalance (the busiest backend's share of requests over the mean share)."""
         first, last = ttft(self.records), ttlt(self.records)
         done = [r for r in self.records if r.completed]
         span = max((r.finish_s or 0.0 for r in done), default=0.0) - min(
@@ -126,6 +127,9 @@ class FleetResult:
             "hit": self.hit_ratio,
             "throughput": len(done) / span if span > 0 else math.nan,
             "completed": float(len(done)),
+            "imbalance": max(self.routed) / (sum(self.routed) / len(self.routed))
+            if sum(self.routed)
+            else math.nan,
             "saturated_throughput": (
                 self.saturated_done / self.saturated_s if self.saturated_s > 0 else math.nan
             ),
