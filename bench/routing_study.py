@@ -160,7 +160,13 @@ def key(*parts: object) -> str:
 
 def fleet_for(args: argparse.Namespace, backends: int) -> Fleet:
     engine = engine_config("h200-llama3-8b")
-    return Fleet(backends, engine, "h200-llama3-8b", args.cap, precise=args.precise)
+    return Fleet(backends, engine, "h200-llama3-8b", args.cap, precise=args.precise,
+                 engine_waiting=not args.hide_waiting)  # fmt: skip
+
+
+def variant(args: argparse.Namespace) -> str:
+    """Key suffix of the experiments' fleet variants (none for the main grid)."""
+    return "|no-waiting" if args.hide_waiting else ""
 
 
 def load_seen(records: Sequence[RequestRecord], knee_rps: float) -> float:
@@ -215,7 +221,7 @@ def sweep(args: argparse.Namespace, runs: Runs) -> None:
                         for router in args.routers:
                             k = key("run", workload, backends, size(args, workload), args.cap,
                                     args.think_scale, load, seed, queue, router,
-                                    args.precise)  # fmt: skip
+                                    args.precise) + variant(args)  # fmt: skip
                             if runs.get(k) is not None:
                                 continue
                             fleet = fleet_for(args, backends)
@@ -261,7 +267,7 @@ class Report:
         a, out = self.args, []
         for seed in range(a.seeds):
             k = key("run", workload, b, size(a, workload), a.cap, a.think_scale, load, seed,
-                    queue, router, a.precise)  # fmt: skip
+                    queue, router, a.precise) + variant(a)  # fmt: skip
             row = self.runs.get(k)
             out.append(math.nan if row is None else float(row[name]))
         return out
@@ -373,7 +379,10 @@ def plot(rep: Report, path: Path) -> None:
 
 def write_report(args: argparse.Namespace, runs: Runs, command: str) -> None:
     rep = Report(args, runs)
-    figure = args.out.parent / "study" / "routing" / (args.out.stem + ".png")
+    beside = args.out.parent.name == "routing"  # an experiment's report in docs/study/routing
+    figure = args.out.with_suffix(".png") if beside else args.out.parent / "study" / "routing" / (
+        args.out.stem + ".png"
+    )
     plot(rep, figure)
     walls = [float(r["wall_s"]) for r in runs.rows.values() if "wall_s" in r]
     head = [
@@ -416,6 +425,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--think-scale", type=float, default=20.0)
     ap.add_argument("--session-requests", type=int, default=6000)
     ap.add_argument("--precise", action="store_true", help="routers read the engines' caches")
+    ap.add_argument("--hide-waiting", action="store_true", help="routers see no engine queue")
     ap.add_argument("--queues", nargs="*", default=list(QUEUES), choices=list(QUEUES))
     ap.add_argument("--routers", nargs="*", default=router_names())
     ap.add_argument("--runs", type=Path, default=Path("docs/study/routing/runs.jsonl"))

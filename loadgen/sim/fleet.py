@@ -72,6 +72,8 @@ class Fleet:
     """The gateway's in-flight cap per backend (requests)."""
     slot_first: bool = True
     """A slot that frees alone goes to the waiting job best there (`Scheduler.dispatch_for`)."""
+    engine_waiting: bool = True
+    """Show routers each engine's waiting count (False: None, as if unscraped)."""
     precise: bool = False
     """Show prefix routers each engine's real cache (`BackendState.index`, llm-d's "precise"
     mode, vLLM's KV events) instead of their own record of what they sent."""
@@ -323,7 +325,7 @@ class _FleetRun:
     def _scrape(self, k: int) -> None:
         """Backend k's state as a router reads vLLM's metrics (fresh at every event)."""
         e, b = self.engines[k], self.states[k]
-        b.waiting = len(e.waiting)
+        b.waiting = len(e.waiting) if self.fleet.engine_waiting else None
         b.kv_usage = e.kv_fraction()
 
 
