@@ -380,8 +380,10 @@ def plot(rep: Report, path: Path) -> None:
 def write_report(args: argparse.Namespace, runs: Runs, command: str) -> None:
     rep = Report(args, runs)
     beside = args.out.parent.name == "routing"  # an experiment's report in docs/study/routing
-    figure = args.out.with_suffix(".png") if beside else args.out.parent / "study" / "routing" / (
-        args.out.stem + ".png"
+    figure = (
+        args.out.with_suffix(".png")
+        if beside
+        else args.out.parent / "study" / "routing" / (args.out.stem + ".png")
     )
     plot(rep, figure)
     walls = [float(r["wall_s"]) for r in runs.rows.values() if "wall_s" in r]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 
@@ -12,8 +14,10 @@ from loadgen.prefix import chain_ids
 from loadgen.schema import TraceRequest
 from loadgen.sim.fleet import Fleet, lru_hit_ratio, simulate_fleet
 from loadgen.sim.simulator import Contender, simulate
+from policies.job import Job
 from policies.registry import parse_policy
-from policies.routing import router_names
+from policies.routing import BackendState, Router, router_names
+from policies.routing.base import least_loaded, open_backends
 
 ENGINE = engine_config("h200-llama3-8b")
 
@@ -133,3 +137,30 @@ def test_precise_routers_read_what_the_engines_really_hold() -> None:
     assert all(r.completed for r in precise.records)
     base = simulate_fleet(reqs, "fcfs", "least-loaded", Fleet(2, engine, cap=4))
     assert precise.hit_ratio > base.hit_ratio + 0.05
+
+
+SEEN: list[int | None] = []
+
+
+@dataclass(eq=False)
+class _Spy(Router):
+    """Least-loaded, remembering the engine queue each backend showed at every decision."""
+
+    name = "spy"
+    description = "test"
+
+    def pick(self, job: Job, backends: Sequence[BackendState]) -> BackendState | None:
+        SEEN.extend(b.waiting for b in backends)
+        return least_loaded(open_backends(backends))
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_routers_see_the_engine_queue_unless_it_is_hidden(shown: bool) -> None:
+    SEEN.clear()
+    reqs = _shared_prefix_workload(60, systems=2)
+    simulate_fleet(reqs, "fcfs", _Spy(), Fleet(2, ENGINE, cap=8, engine_waiting=shown))
+    assert SEEN
+    if shown:
+        assert any(w for w in SEEN)  # None only before a backend was first scraped
+    else:
+        assert all(w is None for w in SEEN)
