@@ -270,3 +270,27 @@ H200_QWEN3_32B = register_engine(
 """The memory-bound regime of the SageSched evaluation: with answers of ~1,500 tokens KV fills
 long before 1,024 sequences (defaults from vLLM 0.32 `EngineArgs._set_default_max_num_seqs_and_
 batched_tokens_args` for GPUs with ≥ 70 GiB)."""
+
+LLAMA31_8B_H200_KV_TOKENS = 870_400
+"""KV capacity of Llama-3.1-8B (bf16) on one H200 at vLLM's default `gpu_memory_utilization`
+0.9, derived as Qwen3-32B's: 0.9 × 140.4 GiB − 15.0 GiB of weights (8.03B parameters) − ~5 GiB
+of activations, graphs and non-torch memory (the Qwen3-32B derivation's 4.4 GiB, rounded up for
+the 8,192-token profiling batch) ≈ 106.4 GiB, at 32 layers × 2 (K, V) × 8 KV heads × 128 dims
+× 2 bytes = 128 KiB per token, is about 871,300 tokens; rounded down to 54,400 blocks of 16.
+Not the 131,072 of the LSSP engine (`continuous`), which models a smaller memory."""
+
+H200_LLAMA3_8B = register_engine(
+    EngineConfig(
+        "h200-llama3-8b",
+        "vLLM V1 on one H200 serving Llama-3.1-8B: its API-server defaults there (1,024 "
+        "sequences, 8,192-token budget, chunked prefill), 870,400 KV tokens paged, recompute "
+        "preemption, prefix caching",
+        max_seqs=1024,
+        max_batch_tokens=8192,
+        chunk_tokens=8192,
+        budget_counts_decodes=True,
+        kv_tokens=LLAMA31_8B_H200_KV_TOKENS,
+    )
+)
+"""The routing study's backend (docs/routing.md): the compute-bound model with the KV it
+really holds, so a prefix cache keeps what a real replica would."""
