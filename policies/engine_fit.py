@@ -168,7 +168,7 @@ class EngineFit:
     """
 
     def __init__(
-        self, half_life_s: float = 300.0, mix_half_life_s: float = 60.0, ridge: float = 1e-9
+        self, half_life_s: float = 300.0, mix_half_life_s: float = 30.0, ridge: float = 1e-9
     ) -> None:
         """`half_life_s`: of the coefficients (the engine changes rarely); `mix_half_life_s`:
         of the traffic mix the efficient batch is computed at (it changes with the load, but

@@ -38,8 +38,8 @@ OUTPUT = (50, 150)
 """Answer lengths, uniform (inclusive)."""
 CLIENTS = 96
 CHANGE_S = 150
-"""Seconds of the new load: the traffic mix the knee depends on fades with a 60 s half-life
-(a burst's phases must not move the cap), so the last 20 s of these see 80% of the new mix."""
+"""Seconds of the new load: the traffic mix the knee depends on fades with a 30 s half-life,
+so the last 20 s of these see 95% of the new mix."""
 WORDS = [f"w{i}" for i in range(100_000)]
 
 
