@@ -1,4 +1,4 @@
-"""Benchmark routing decisions (issue 29 part 6): µs per decision at a realistic index size.
+"""Benchmark routing decisions: µs per decision at a realistic index size.
 
 Run: `python bench/routing_speed.py` (defaults: 8 backends, 100,000 indexed blocks each,
 prompts of 2–200 blocks). Every prefix-keeping router's index is first filled to the given

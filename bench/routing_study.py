@@ -1,4 +1,4 @@
-"""Routing study (issue 29 part 5): every router, FCFS and SageSched queues, on a simulated fleet
+"""Routing study: every router, FCFS and SageSched queues, on a simulated fleet
 with prefix caching; writes docs/routing.md.
 
 Run (one process; each run is cached in `--runs`, so an interrupted sweep resumes and
@@ -388,7 +388,7 @@ def write_report(args: argparse.Namespace, runs: Runs, command: str) -> None:
     plot(rep, figure)
     walls = [float(r["wall_s"]) for r in runs.rows.values() if "wall_s" in r]
     head = [
-        "# Routing study (issue 29 part 5)",
+        "# Routing study",
         "",
         "Made by:",
         "",

@@ -1,7 +1,7 @@
-"""Who goes where a slot frees (issue 29 part 4), measured on a simulated fleet with prefix
+"""Who goes where a slot frees, measured on a simulated fleet with prefix
 caching: "best job first, then best backend" against `Scheduler.dispatch_for`.
 
-Needs the engine model's prefix cache (issue 29 part 2, `Seq.hashes`). Run:
+Needs the engine model's prefix cache (`Seq.hashes`). Run:
 `python bench/slot_choice.py` (defaults: 4 `h200-llama3-8b` backends with 870,000 KV tokens,
 chunked prefill, cap 32 per backend, a synthetic multi-turn workload). Both arms keep the same
 SageSched queue (`cost=time`) and the same router; they differ only in who takes a free slot:

@@ -3,7 +3,7 @@
 `simulate_fleet(requests, policy, router, fleet)` runs a workload through one
 `policies.Scheduler` (the gateway's queue: any policy) and one `policies.routing.Router` in
 front of `fleet.backends` engine models, in virtual time. It is the loop `bench/slot_choice.py`
-built for issue 29 part 4, made reusable for the routing study (docs/routing.md):
+built for the slot-choice benchmark, made reusable for the routing study (docs/routing.md):
 
 - a job is handed out while some backend has room (`in flight < fleet.cap`). When exactly one
   backend has room and `fleet.slot_first` is set, the scheduler picks the waiting job best
