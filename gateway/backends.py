@@ -138,9 +138,13 @@ GENERATED = ("vllm:generation_tokens_total", "vllm:generation_tokens")
 PROMPT = ("vllm:prompt_tokens_total", "vllm:prompt_tokens")
 ITERATIONS = "vllm:iteration_tokens_total_count"
 """The count of vLLM's tokens-per-iteration histogram: one per engine iteration."""
+TOKEN_GAP = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+"""vLLM's inter-token latency histogram (V1's name, then the older one): its sum and count."""
 CACHE_CONFIG = "vllm:cache_config_info"
 """An info series whose labels carry `num_gpu_blocks` and `block_size`."""
-_WANTED = {WAITING, RUNNING, *KV_USAGE, *GENERATED, *PROMPT, ITERATIONS}
+_GAP_SUM = tuple(f"{n}_sum" for n in TOKEN_GAP)
+_GAP_COUNT = tuple(f"{n}_count" for n in TOKEN_GAP)
+_WANTED = {WAITING, RUNNING, *KV_USAGE, *GENERATED, *PROMPT, ITERATIONS, *_GAP_SUM, *_GAP_COUNT}
 _WANTED_PREFIXES = (*_WANTED, CACHE_CONFIG)
 
 
@@ -169,6 +173,8 @@ def read_sample(text: str) -> EngineSample:
         found = next((values[n] for n in names if n in values), None)
         return sum(found) if found else None
 
+    # the sum and the count of one name, so the two always describe the same tokens
+    gap = next((i for i, n in enumerate(_GAP_COUNT) if n in values and _GAP_SUM[i] in values), None)
     return EngineSample(
         waiting=total(WAITING),
         kv_usage=combine_kv(next((values[n] for n in KV_USAGE if n in values), [])),
@@ -177,6 +183,8 @@ def read_sample(text: str) -> EngineSample:
         prompt_tokens=total(*PROMPT),
         iterations=total(ITERATIONS),
         kv_capacity_tokens=capacity or None,
+        token_gap_s=None if gap is None else total(_GAP_SUM[gap]),
+        token_gaps=None if gap is None else total(_GAP_COUNT[gap]),
     )
 
 

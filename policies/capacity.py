@@ -270,7 +270,9 @@ class CapController:
         median error of the last `change_window` intervals is that far off, the engine has
         changed: the fit starts over from the held-out intervals."""
         law = self.law
-        if same_batch(interval.batch, self.cap) or interval.batch >= self.cap:
+        if same_batch(interval.in_batch, self.cap):
+            # the level is observed once the batch reached it (a lowered cap is reached only
+            # as running requests finish)
             self._observed = True
         enough = self.fit.observations >= law.min_observations
         judged = self.fit.residual(interval) if enough else None

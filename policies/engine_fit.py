@@ -54,17 +54,30 @@ class Interval:
     iterations: float
     """Engine iterations (vLLM's `iteration_tokens_total` count, or tokens / batch)."""
     batch: float
-    """Mean running requests."""
+    """Mean requests decoding per iteration (output tokens / iterations where the engine counts
+    its iterations, else the running requests at the two readings)."""
     prompt_tokens: float
     """Prompt tokens prefilled in the interval."""
     context_tokens: float | None = None
-    """Mean summed context of the running requests (KV usage x capacity), if known."""
+    """Mean summed context of the decoding requests (from KV usage x capacity), if known."""
+    running: float | None = None
+    """Mean requests in the engine's batch (decoding or prefilling; None: as `batch`)."""
+    token_s: float | None = None
+    """Mean seconds between two output tokens of a request (vLLM's inter-token latency), if
+    known: the iteration time weighted by batch, measured per token, so free of the
+    rounding of a few iterations counted between two readings."""
+
+    @property
+    def in_batch(self) -> float:
+        """Mean requests in the engine's batch."""
+        return self.batch if self.running is None else self.running
 
     def row(self) -> tuple[list[float], float]:
         """(features per iteration, seconds per iteration)."""
         n = self.iterations
         ctx = 0.0 if self.context_tokens is None else self.context_tokens
-        return [1.0, self.batch, ctx, self.prompt_tokens / n], self.seconds / n
+        y = self.seconds / n if self.token_s is None else self.token_s
+        return [1.0, self.batch, ctx, self.prompt_tokens / n], y
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +98,11 @@ class EngineSample:
     """Cumulative engine iterations (the count of vLLM's `iteration_tokens_total`)."""
     kv_capacity_tokens: float | None = None
     """Tokens the KV cache holds in all (vLLM `cache_config_info`: blocks × block size)."""
+    token_gap_s: float | None = None
+    """Cumulative seconds between consecutive output tokens of each request (the sum of
+    vLLM's `inter_token_latency_seconds`)."""
+    token_gaps: float | None = None
+    """How many such gaps (its count)."""
 
 
 @dataclass(slots=True)
@@ -97,12 +115,22 @@ class Reading:
 
 
 STEADY_BATCH = 1.25
-"""An interval is fitted only if the batch at its ends differs by at most this factor."""
+"""Without an iteration counter, an interval is fitted only if the batch at its ends differs
+by at most this factor (its mean batch is then known from the ends)."""
+COUNTED_BATCH = 2.0
+"""With an iteration counter the mean batch is counted (output tokens / iterations), so the
+batch may move within an interval; this bounds how far, since a batch that fell to a few
+requests may have let the engine idle between two readings."""
 
 
 def interval_between(last: Reading, now: Reading) -> Interval | None:
     """What the engine did between two readings, if it ran throughout and its counters
-    moved forward; None otherwise."""
+    moved forward; None otherwise.
+
+    An iteration's time is linear in its shape, so the mean iteration of an interval is the
+    line at the interval's mean shape: where the engine counts its iterations the mean batch
+    (output tokens per iteration) and prompt tokens per iteration are exact, whatever the
+    batch did in between."""
     a, b = last.sample, now.sample
     dt = now.now - last.now
     if a.generation_tokens is None or b.generation_tokens is None or dt <= 0:
@@ -114,14 +142,21 @@ def interval_between(last: Reading, now: Reading) -> Interval | None:
         ends = (a.running, b.running)
     else:
         ends = (float(last.inflight), float(now.inflight))
-    if min(ends) < 1 or not same_batch(*ends):
-        # idle at one end (part of the interval may have been idle), or the batch moved
-        # (after a cap change or while a burst drains): its mean batch is not known
-        return None
-    batch = (ends[0] + ends[1]) / 2
     iterations = _delta(a.iterations, b.iterations)
+    counted = iterations is not None and iterations > 0
+    steady = max(ends) <= (COUNTED_BATCH if counted else STEADY_BATCH) * min(ends)
+    if min(ends) < 1 or not steady:
+        # idle at one end (part of the interval may have been idle), or the batch moved
+        # (after a cap change or while a burst drains) further than its mean can be told
+        return None
+    running = (ends[0] + ends[1]) / 2
     if iterations is None or iterations <= 0:
-        iterations = tokens / batch
+        batch, iterations = running, tokens / running
+    else:
+        # every decoding request adds one token per iteration; the batch never passed the
+        # larger end, and the requests in it were at least the decoding ones
+        batch = min(tokens / iterations, max(ends))
+        running = max(running, batch)
     prompt = _delta(a.prompt_tokens, b.prompt_tokens) or 0.0
     context = None
     if (
@@ -130,8 +165,19 @@ def interval_between(last: Reading, now: Reading) -> Interval | None:
         and b.kv_capacity_tokens is not None
         and b.kv_capacity_tokens > 0
     ):
-        context = (a.kv_usage + b.kv_usage) / 2 * b.kv_capacity_tokens
-    return Interval(dt, iterations, batch, max(prompt, 0.0), context)
+        # KV per running request at the two readings, times the interval's decoding batch
+        per_request = (a.kv_usage + b.kv_usage) * b.kv_capacity_tokens / (ends[0] + ends[1])
+        context = per_request * batch
+    token_s = None
+    gaps = _delta(a.token_gaps, b.token_gaps)
+    gap_s = _delta(a.token_gap_s, b.token_gap_s)
+    if gaps is not None and gap_s is not None and gaps >= MIN_GAPS:
+        token_s = gap_s / gaps
+    return Interval(dt, iterations, batch, max(prompt, 0.0), context, running, token_s)
+
+
+MIN_GAPS = 16
+"""Inter-token gaps an interval needs before their mean stands for its iteration time."""
 
 
 def same_batch(a: float, b: float) -> bool:
@@ -150,6 +196,11 @@ def merge(a: Interval, b: Interval) -> Interval:
         batch=(a.batch * a.iterations + b.batch * b.iterations) / n,
         prompt_tokens=a.prompt_tokens + b.prompt_tokens,
         context_tokens=context,
+        running=(a.in_batch * a.iterations + b.in_batch * b.iterations) / n,
+        token_s=None if a.token_s is None or b.token_s is None else (
+            (a.token_s * a.batch * a.iterations + b.token_s * b.batch * b.iterations)
+            / (a.batch * a.iterations + b.batch * b.iterations)
+        ),
     )
 
 
@@ -184,10 +235,11 @@ class EngineFit:
         self._yy = 0.0
         self._w = 0.0
         self._w2 = 0.0
-        self._mix = np.zeros(3)
-        """Faded token sums (batch x iterations, context x iterations, prompt tokens); with
-        `_mix_w` (iterations) they give the traffic's mix as ratios of sums, so a burst's
-        prefill-only start and decode-only end average to its prompt / output ratio."""
+        self._mix = np.zeros(4)
+        """Faded token sums (batch x iterations, context x iterations, prompt tokens, requests
+        in the batch x iterations); with `_mix_w` (iterations) they give the traffic's mix as
+        ratios of sums, so a burst's prefill-only start and decode-only end average to its
+        prompt / output ratio."""
         self._mix_w = 0.0
         self._ctx_known = False
         self._span = [math.inf, 0.0]
@@ -203,19 +255,20 @@ class EngineFit:
         fade = 0.5 ** (interval.seconds / self.half_life_s)
         x_list, y = interval.row()
         x = np.asarray(x_list)
-        # errors are relative (a 5% jitter at batch 500 is not 50x the one at batch 10):
-        # each row is weighted by 1 / y^2, so the fit minimises squared relative errors
-        r = 1.0 / (y * y)
+        # errors are relative (a 5% jitter at batch 500 is not 50x the one at batch 10) and
+        # shrink with the iterations an interval spans (a count of 2 is ±50% from rounding
+        # alone, one of 20 ±5%): each row is weighted by iterations / y^2
+        n = interval.iterations
+        r = n / (y * y)
         self._xx = self._xx * fade + r * np.outer(x, x)
         self._xy = self._xy * fade + r * x * y
-        self._yy = self._yy * fade + 1.0
+        self._yy = self._yy * fade + n
         self._w = self._w * fade + 1.0
         self._w2 = self._w2 * fade * fade + 1.0
         mix_fade = 0.5 ** (interval.seconds / self.mix_half_life_s)
-        n = interval.iterations
         ctx = 0.0 if interval.context_tokens is None else interval.context_tokens
         self._mix = self._mix * mix_fade + np.array(
-            [interval.batch * n, ctx * n, interval.prompt_tokens]
+            [interval.batch * n, ctx * n, interval.prompt_tokens, interval.in_batch * n]
         )
         self._mix_w = self._mix_w * mix_fade + n
         self._ctx_known = self._ctx_known or interval.context_tokens is not None
@@ -246,9 +299,16 @@ class EngineFit:
         """Recent (batch, context per request, prompt tokens per iteration per request)."""
         if self._mix_w <= 0:
             return 0.0, 0.0, 0.0
-        batch, ctx, prompt = (self._mix / self._mix_w).tolist()
+        batch, ctx, prompt, _ = (self._mix / self._mix_w).tolist()
         per = max(batch, 1e-9)
         return batch, ctx / per, prompt / per
+
+    def in_batch_per_decoding(self) -> float:
+        """Recent requests in the engine's batch per decoding one (>= 1: the rest are being
+        prefilled); converts a decoding batch into the in-flight count that keeps it."""
+        if self._mix[0] <= 0:
+            return 1.0
+        return max(1.0, float(self._mix[3] / self._mix[0]))
 
     def step_s(
         self, batch: float, context_tokens: float = 0.0, prompt_tokens: float = 0.0
@@ -285,7 +345,9 @@ class EngineFit:
 
     def efficient_batch(self, fraction: float) -> tuple[float, float] | None:
         """(B_f, relative standard error) for throughput `fraction` of the plateau at the
-        recent mix; None while the curve shows no plateau (beta' <= 0) or no fixed cost."""
+        recent mix, as requests in the engine's batch (the decoding batch B_f plus the share
+        being prefilled beside it); None while the curve shows no plateau (beta' <= 0) or no
+        fixed cost."""
         if not 0 < fraction < 1:
             raise ValueError("need 0 < fraction < 1")
         solved = self._solve()
@@ -298,7 +360,7 @@ class EngineFit:
         if alpha <= 0 or slope <= 0:
             return None
         ratio = fraction / (1 - fraction)
-        batch = ratio * alpha / slope
+        batch = ratio * alpha / slope * self.in_batch_per_decoding()
         # d ln B / d theta = e_alpha / alpha - grad_slope / slope
         g = np.array([1.0 / alpha, 0.0, 0.0, 0.0]) - grad_slope / slope
         var = float(g @ cov @ g)
@@ -379,7 +441,7 @@ class EngineFit:
             fit._xx = np.asarray(data["xx"], dtype=np.float64).reshape(len(FEATURES), -1)
             fit._xy = np.asarray(data["xy"], dtype=np.float64).reshape(len(FEATURES))
             fit._yy, fit._w, fit._w2 = float(data["yy"]), float(data["w"]), float(data["w2"])
-            fit._mix = np.asarray(data["mix"], dtype=np.float64).reshape(3)
+            fit._mix = np.asarray(data["mix"], dtype=np.float64).reshape(4)
             fit._ctx_known = bool(data["context_known"])
             if data.get("span"):
                 fit._span = [float(data["span"][0]), float(data["span"][1])]

@@ -120,6 +120,10 @@ class Engine:
         """Output tokens generated so far (vLLM's `generation_tokens_total`)."""
         self.prompt_tokens = 0
         """Prompt (and recompute) tokens prefilled so far (vLLM's `prompt_tokens_total`)."""
+        self.token_gap_s = 0.0
+        self.token_gaps = 0
+        """Seconds between consecutive output tokens of each request, summed, and how many
+        (vLLM's `inter_token_latency_seconds` sum and count)."""
         self.cache = PrefixCache(config.block_tokens) if config.prefix_caching and paged else None
         """The prefix cache (None: off, or the admission KV model)."""
         self._last_iter_s = profile.iteration_s(1, 0, 0)
@@ -190,6 +194,9 @@ class Engine:
             dt = self.profile.iteration_s(n, ctx, sum(c for _, c in work))
         self._last_iter_s = dt / k
         self.iterations += k
+        # each decoding request waited the iteration for its token (vLLM's inter-token latency)
+        self.token_gap_s += n * dt
+        self.token_gaps += n * k
         finished = self._apply(batch, k, now + dt)
         return StepResult(dt, k, finished, batch.dropped)
 

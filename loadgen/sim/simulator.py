@@ -110,6 +110,8 @@ def engine_sample(e: Engine) -> EngineSample:
         prompt_tokens=float(e.prompt_tokens),
         iterations=float(e.iterations),
         kv_capacity_tokens=float(e.cfg.kv_tokens),
+        token_gap_s=e.token_gap_s,
+        token_gaps=float(e.token_gaps),
     )
 
 

@@ -6,6 +6,8 @@ import math
 import random
 import statistics
 
+from dataclasses import replace
+
 import pytest
 
 from policies.capacity import (
@@ -15,6 +17,7 @@ from policies.capacity import (
     combine_kv,
     priority_level,
 )
+from policies.engine_fit import Reading, interval_between
 
 
 class LinearEngine:
@@ -211,15 +214,30 @@ def test_samples_of_one_batch_are_merged_and_a_moved_batch_is_not_fitted() -> No
         return EngineSample(0.0, 0.1, tokens, running=running, iterations=iterations)
 
     ctl.observe(0.25, sample(100.0, 8.0, 10.0), 8)
-    ctl.observe(0.5, sample(200.0, 16.0, 16.0), 16)  # 8 -> 16: the batch moved
+    ctl.observe(0.5, sample(200.0, 20.0, 16.0), 20)  # 8 -> 20: the batch moved too far
     assert ctl.fit.observations == 0
-    ctl.observe(0.75, sample(300.0, 16.0, 21.0), 16)  # 5 iterations: gathered, not yet fitted
+    ctl.observe(0.75, sample(300.0, 20.0, 21.0), 20)  # 5 iterations: gathered, not yet fitted
     assert ctl.fit.observations == 0
-    ctl.observe(1.0, sample(400.0, 16.0, 26.0), 16)  # 10 iterations of one batch: one point
+    ctl.observe(1.0, sample(400.0, 20.0, 26.0), 20)  # 10 iterations of one batch: one point
     assert ctl.fit.observations == pytest.approx(1.0)
     # idle at one end: part of the interval may have been idle
     ctl.observe(1.25, sample(410.0, 0.0, 27.0), 0)
     assert ctl.fit.observations == pytest.approx(1.0, rel=1e-3)
+
+
+def test_a_counted_batch_is_its_mean_whatever_the_ends() -> None:
+    """With the engine's iteration counter, output tokens per iteration is the mean decoding
+    batch even when the batch moved between the readings (within `COUNTED_BATCH`); without
+    it, the ends must agree."""
+    last = Reading(0.0, EngineSample(0.0, 0.1, 0.0, running=10.0, iterations=0.0), 10)
+    now = Reading(1.0, EngineSample(0.0, 0.1, 180.0, running=16.0, iterations=10.0), 16)
+    counted = interval_between(last, now)
+    assert counted is not None and counted.batch == pytest.approx(16.0)
+    assert counted.in_batch == pytest.approx(16.0)  # never fewer than the decoding ones
+    plain = [replace(r, sample=replace(r.sample, iterations=None)) for r in (last, now)]
+    assert interval_between(*plain) is None  # 10 -> 16 is beyond STEADY_BATCH
+    far = replace(now, sample=replace(now.sample, running=25.0))
+    assert interval_between(last, far) is None  # beyond COUNTED_BATCH
 
 
 def test_stays_within_bounds() -> None:
