@@ -197,7 +197,9 @@ def merge(a: Interval, b: Interval) -> Interval:
         prompt_tokens=a.prompt_tokens + b.prompt_tokens,
         context_tokens=context,
         running=(a.in_batch * a.iterations + b.in_batch * b.iterations) / n,
-        token_s=None if a.token_s is None or b.token_s is None else (
+        token_s=None
+        if a.token_s is None or b.token_s is None
+        else (
             (a.token_s * a.batch * a.iterations + b.token_s * b.batch * b.iterations)
             / (a.batch * a.iterations + b.batch * b.iterations)
         ),

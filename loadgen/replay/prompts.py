@@ -126,6 +126,19 @@ def exact_text(n_tokens: int, count: Callable[[str], int], prefix: str = "") -> 
     return out if count(out) == n_tokens else None
 
 
+def leading_words(text: str, n_tokens: int, count: Callable[[str], int]) -> str:
+    """The longest run of `text`'s leading words that `count` measures at most `n_tokens`."""
+    words = text.split(" ")
+    lo, hi = 0, len(words)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(" ".join(words[:mid])) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
 def match_prompts(
     targets: Sequence[int], rows: Sequence[PromptRow], seed: int = 0
 ) -> list[PromptRow]:
@@ -197,7 +210,8 @@ def row_requests(
     """Replay requests sending `rows[i]`'s prompt for `trace[i]` (arrival, deadline and
     output length of the trace; output capped at `max_output`). With `pad` and
     `count_tokens`, a prompt shorter than the trace's is padded with filler words to the
-    trace's exact length. Where `rows[i]` is None: seeded token ids of the trace's length."""
+    trace's exact length, and a longer one cut to its leading words first. Where `rows[i]` is
+    None: seeded token ids of the trace's length."""
     rng = random.Random(seed)
     out = []
     for r, row in zip(trace, rows, strict=True):
@@ -206,8 +220,11 @@ def row_requests(
         if row is None:
             body, size = token_ids(r.prompt_tokens, rng), r.prompt_tokens
         elif pad and count_tokens is not None:
-            padded = exact_text(r.prompt_tokens, count_tokens, prefix=row.prompt)
-            if padded is None:  # the real prompt alone is longer: send it as it is
+            prompt = row.prompt
+            if count_tokens(prompt) > r.prompt_tokens:  # longer than the trace's: its start
+                prompt = leading_words(prompt, r.prompt_tokens - 1, count_tokens)
+            padded = exact_text(r.prompt_tokens, count_tokens, prefix=prompt)
+            if padded is None:  # no fit (a tokenizer merging across the cut): as it is
                 body, size = row.prompt, count_tokens(row.prompt)
             else:
                 body, size = padded, r.prompt_tokens

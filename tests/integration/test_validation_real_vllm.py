@@ -42,8 +42,11 @@ from loadgen.replay.prompts import build_requests, tokenize_counter
 from loadgen.replay.report import summarize_replay
 from loadgen.replay.validation import (
     LIVE_WINDOW,
+    SLOWDOWN_FLOOR,
     GatewayArm,
+    prefill_slowdown,
     recommend_cap,
+    scaled_prompts,
     simulated_gain,
     tagged,
     through_gateway,
@@ -79,11 +82,14 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     t_start = time.monotonic()
     count = tokenize_counter(server.url, server.name)
     assert count is not None, "vLLM's /tokenize is missing"
-    trace = window_trace(**LIVE_WINDOW)  # type: ignore[arg-type]
+    warm_up(server.url, server.name)  # a fresh vLLM CPU server is slow on its first batches
+    # on a machine that prefills much slower than the reference one, prompts shrink by as
+    # much, so the window stays the workload it is on the reference machine
+    slowdown = prefill_slowdown(server.url, server.name, count)
+    trace = scaled_prompts(window_trace(**LIVE_WINDOW), slowdown)  # type: ignore[arg-type]
     reqs = build_requests(trace, prompts="sample", count_tokens=count, pad=True)
     assert sum(r.prompt_tokens == t.prompt_tokens for r, t in zip(reqs, trace, strict=True)) >= 70
     cap, sweep = recommend_cap(reqs, PROFILE)  # for the simulated comparison only
-    warm_up(server.url, server.name)  # a fresh vLLM CPU server is slow on its first batches
     # the self-tuning cap learns this engine's curve first (two gateways, one after the
     # other, replaying the window with the same curve memory); every measured gateway starts
     # from a copy of that memory, as a restarted gateway does
@@ -126,6 +132,8 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     simulated = simulated_gain(reqs, PROFILE, cap, policies=("sagesched", "fcfs"))
     result: dict[str, Any] = {
         "window": LIVE_WINDOW,
+        "prefill_slowdown": slowdown,
+        "prompts_scaled": slowdown >= SLOWDOWN_FLOOR,
         "cpus": {"engine": server.cpus, "front_end": sorted(os.sched_getaffinity(0))},
         "gateway": {
             "config": "shipped defaults (self-tuning cap, started from the learnt curve)",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 import statistics
-
 from dataclasses import replace
 
 import pytest

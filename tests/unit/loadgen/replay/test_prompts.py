@@ -82,11 +82,16 @@ def test_dataset_requests_use_the_rows_lengths() -> None:
 
 
 def test_pad_real_prompts_to_the_trace_length() -> None:
-    trace = [TraceRequest(0.0, 600, 20, "t"), TraceRequest(1.0, 2, 20, "t")]
+    trace = [TraceRequest(0.0, 600, 20, "t"), TraceRequest(1.0, 2, 20, "t"),
+             TraceRequest(2.0, 8, 20, "t")]  # fmt: skip
     reqs = build_requests(trace, prompts="sample", count_tokens=fake_tokenizer, pad=True)
-    long, short = reqs
+    long, short, cut = reqs
     assert isinstance(long.prompt, str) and fake_tokenizer(long.prompt) == 600
     assert long.prompt_tokens == 600
     row = {r.output_tokens: r.prompt for r in load_prompt_rows()}
     assert any(long.prompt.startswith(p) for p in row.values())  # the real text comes first
     assert isinstance(short.prompt, str) and short.prompt_tokens == fake_tokenizer(short.prompt)
+    # a real prompt longer than the trace's is cut to its leading words, then padded
+    assert short.prompt_tokens == 2
+    assert isinstance(cut.prompt, str) and fake_tokenizer(cut.prompt) == cut.prompt_tokens == 8
+    assert any(p.startswith(cut.prompt.split(" ")[0] + " ") for p in row.values())
