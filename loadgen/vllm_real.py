@@ -27,8 +27,14 @@ of a session fixture takes no CPU from the measured one.
 client and the gateway, as in a deployment where the gateway does not share the engine's
 cores.
 
+`RealVllm(isa="avx2")` runs the server as on a CPU without AVX-512 (this machine's other
+kind: the CPU build then loads its AVX2 kernels and its bf16 GEMMs run several times slower;
+docs/emulator.md): a `sitecustomize` put first on the server's path makes torch's AVX-512
+checks answer no and caps oneDNN and ATen at AVX2 before vLLM imports anything.
+
 Command line: `python -m loadgen.vllm_real setup` (venv + model; `make vllm-env`) and
-`python -m loadgen.vllm_real serve [--priority] [--port N]` (runs until interrupted).
+`python -m loadgen.vllm_real serve [--priority] [--port N] [--isa avx2]` (runs until
+interrupted).
 """
 
 from __future__ import annotations
@@ -63,6 +69,28 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 _MARKER = ".sagesched-installed"
+ISAS = ("native", "avx2")
+_AVX2_SHIM = """\
+# Written by loadgen.vllm_real: this vLLM server runs as on a CPU without AVX-512.
+import os
+os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+import torch.cpu
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+torch.cpu._is_amx_tile_supported = lambda: False
+"""
+
+
+def isa_path(isa: str) -> Path | None:
+    """A folder to put first on the server's `PYTHONPATH` for instruction set `isa` (its
+    `sitecustomize` runs before vLLM imports anything), or None for the machine's own."""
+    if isa == "native":
+        return None
+    folder = CACHE / f"isa-{isa}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_AVX2_SHIM)
+    return folder
 
 
 def ensure_venv(venv: Path = VENV, *, timeout_s: float = INSTALL_TIMEOUT_S) -> Path:
@@ -165,10 +193,13 @@ class RealVllm:
         log_path: Path | None = None,
         executor: str = "uni",
         cpus: Collection[int] | None = None,
+        isa: str = "native",
     ) -> None:
         if executor not in ("uni", "mp"):
             raise ValueError(f"executor must be 'uni' or 'mp', not {executor!r}")
-        self.executor = executor
+        if isa not in ISAS:
+            raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
+        self.executor, self.isa = executor, isa
         self.cpus = sorted(cpus) if cpus else None
         self.priority = priority
         self.port = port or free_port()
@@ -204,6 +235,9 @@ class RealVllm:
         cpus = self.cpus
         if cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        shim = isa_path(self.isa)
+        if shim is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(shim), env.get("PYTHONPATH"))))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -268,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         default="uni",
         help="model worker in the engine-core process (uni) or its own (mp)",
     )
+    serve.add_argument(
+        "--isa",
+        choices=ISAS,
+        default="native",
+        help="run as on this machine (native) or as on a CPU without AVX-512 (avx2)",
+    )
     args = ap.parse_args(argv)
     if args.cmd == "setup":
         t0 = time.monotonic()
@@ -278,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
-    server = RealVllm(priority=args.priority, port=args.port, executor=args.executor)
+    server = RealVllm(priority=args.priority, port=args.port, executor=args.executor, isa=args.isa)
     with server:
         print(f"vLLM CPU ({MODEL_NAME}) on {server.url}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

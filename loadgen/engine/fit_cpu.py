@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -62,6 +63,8 @@ from loadgen.engine.profiles import (
     Scaled,
     make_profile,
 )
+from loadgen.regions import compress
+from loadgen.schema import TraceRequest
 
 DEFAULT_OUT = Path(__file__).with_name("cpu_tiny_vllm_measurements.json")
 DECODE_CASES = ((16, (1, 2, 4, 8, 16, 32, 64, 96)), (768, (1, 4, 16, 32)))
@@ -349,6 +352,155 @@ async def speed_factor(url: str, model: str, reference: list[float], seed: int =
     mean over the probe's rounds of measured / reference TTLT."""
     pairs = zip(await probe_ttlt(url, model, seed=seed), reference, strict=True)
     return math.exp(statistics.fmean(math.log(m / r) for m, r in pairs))
+
+
+BALANCE_PROBES = ((1, 1000, 1), (1, 16, 64), (8, 16, 64))
+"""The balance probe's requests, (streams sent at once, prompt tokens, output tokens): a lone
+long prefill (mostly per-prefill-token work), a lone decoding stream (mostly fixed work) and
+eight decoding together (mostly per-sequence work)."""
+BALANCE_FLOOR = 1.5
+"""Prefill this much slower than the fixed work against the reference (or more): another
+machine kind, whose profile shape is fitted again; also the least `MachineShape.shrink`."""
+
+
+@dataclass(frozen=True, slots=True)
+class MachineBalance:
+    """How a server's machine differs from the one `cpu-tiny-vllm` was fitted on, read by a
+    cheap probe (`machine_balance`) in three numbers, each measured over predicted: the speed
+    of the fixed work (the framework's per iteration and the API server's per request: a, e,
+    f), of the work per decoding sequence (b, c) and of the work per prefilled token (d). On
+    one machine kind they move together (a CPU that is busier or slower at everything);
+    across kinds they need not: on the vLLM CPU build without AVX-512 the tiny model's bf16
+    GEMMs ran prefill about 7x and each decoding sequence about 3-4x slower while the fixed
+    work did not slow down. A single time scale cannot follow that; `shifted` says when the
+    profile's shape must be fitted again (`machine_shape`)."""
+
+    fixed_scale: float
+    sequence_scale: float
+    prefill_scale: float
+
+    @property
+    def prefill_ratio(self) -> float:
+        return self.prefill_scale / self.fixed_scale
+
+    @property
+    def shifted(self) -> bool:
+        """Is prefill far enough from the reference balance that the shape must be refitted?"""
+        return self.prefill_ratio >= BALANCE_FLOOR
+
+
+SHAPE_BATCH = 8
+"""Decoding sequences at which `MachineShape` compares a machine's iterations with the
+reference's (the few concurrent streams of the real-engine tests' windows)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MachineShape:
+    """The engine on this machine as the real-engine tests use it: coefficients `k` (the
+    committed profile on the reference machine kind, a fit of `measure` on another kind), and
+    how a window written for the reference machine is replayed here so that it is the same
+    workload at this machine's speed: arrivals `stretch` times further apart (a decode
+    iteration of `SHAPE_BATCH` sequences is that much slower) and prompts `shrink` times
+    shorter (prefill is that much slower still). Both 1 on the reference kind."""
+
+    k: CpuTinyCoefficients = CPU_TINY_VLLM
+    stretch: float = 1.0
+    shrink: float = 1.0
+
+    @classmethod
+    def fitted(cls, k: CpuTinyCoefficients) -> MachineShape:
+        """The shape of a machine whose coefficients `k` were fitted on it."""
+        ctx = SHAPE_BATCH * 264  # the windows' median prompt and half their median output
+        ref, here = (CpuTinyVllm(c).iteration_s(SHAPE_BATCH, ctx, 0) for c in (CPU_TINY_VLLM, k))
+        stretch = max(1.0, here / ref)
+        shrink = k.per_prefill_tok_ms / CPU_TINY_VLLM.per_prefill_tok_ms / stretch
+        return cls(k, stretch, shrink if shrink >= BALANCE_FLOOR else 1.0)
+
+    def window(self, trace: list[TraceRequest]) -> list[TraceRequest]:
+        """`trace` replayed on this machine: arrival times times `stretch`, prompts divided by
+        `shrink` (at least 8 tokens); unchanged on the reference kind."""
+        if self.stretch == 1.0 and self.shrink == 1.0:
+            return list(trace)
+        shrink = self.shrink
+        shorter = [replace(r, prompt_tokens=max(8, round(r.prompt_tokens / shrink))) for r in trace]
+        return compress(shorter, 1.0 / self.stretch)
+
+
+async def machine_shape(url: str, model: str) -> tuple[MachineBalance, MachineShape]:
+    """The balance probe, and the engine's shape on this machine: the committed profile
+    when the balance is the reference's, else coefficients fitted on one pass of `measure`
+    (about 2 minutes there)."""
+    balance = await machine_balance(url, model)
+    if not balance.shifted:
+        return balance, MachineShape()
+    coefs = fit(await measure(url, model))
+    names = [f.name for f in dataclasses.fields(CpuTinyCoefficients)]
+    return balance, MachineShape.fitted(CpuTinyCoefficients(**{n: coefs[n] for n in names}))
+
+
+def _probe_parts(streams: int, prompt: int, tokens: int) -> list[float]:
+    """What the committed profile predicts for a probe's median TTLT (s), split into its
+    fixed, per-sequence and per-prefill-token parts (streams sent at once: the median one
+    waits for half the others' request overhead; all prefill in one iteration)."""
+    k = CPU_TINY_VLLM
+    zero = {n: 0.0 for n in ("a_ms", "request_overhead_ms", "overhead_per_running_ms",
+                             "per_seq_ms", "per_ctx_ms", "per_prefill_tok_ms")}  # fmt: skip
+    parts = (("a_ms", "request_overhead_ms", "overhead_per_running_ms"),
+             ("per_seq_ms", "per_ctx_ms"), ("per_prefill_tok_ms",))  # fmt: skip
+    out = []
+    for names in parts:
+        prof = CpuTinyVllm(replace(k, **(zero | {n: getattr(k, n) for n in names})))
+        ctx = streams * (prompt + tokens // 2)
+        t = prof.request_overhead_s(streams // 2) + prof.iteration_s(0, 0, streams * prompt)
+        out.append(t + (prof.decode_run_s(streams, ctx, tokens - 1) if tokens > 1 else 0.0))
+    return out
+
+
+def balance_from(measured_s: list[float]) -> MachineBalance:
+    """`MachineBalance` from the measured median TTLTs of `BALANCE_PROBES`: the three scales
+    that make the committed profile's prediction for each probe (its fixed, per-sequence and
+    per-prefill-token parts, `_probe_parts`) meet the measurement (a 3x3 linear system). A
+    solution that is not positive (noise on a machine in the reference's balance) falls back
+    to one scale for all: the lone decoding stream's."""
+    m = np.array([_probe_parts(*probe) for probe in BALANCE_PROBES])
+    scales = np.linalg.solve(m, np.array(measured_s))
+    if (scales <= 0).any():
+        scales = np.full(3, measured_s[1] / sum(m[1]))
+    return MachineBalance(*(float(x) for x in scales))
+
+
+async def _raw_ttlt(s: Any, url: str, model: str, prompt: list[int], tokens: int) -> float:
+    """Seconds from sending one streamed completion to its last chunk, over plain HTTP (the
+    `openai` client spends ~25 ms validating a 1,000-id prompt before it sends anything)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    t0 = time.perf_counter()
+    last = t0
+    async with s.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                last = time.perf_counter()
+    return last - t0
+
+
+async def machine_balance(url: str, model: str, runs: int = 3, seed: int = 0) -> MachineBalance:
+    """`MachineBalance` of the server at `url` (`balance_from`): medians over `runs` rounds
+    (after one unmeasured round) of the `BALANCE_PROBES` (the median stream of each), random
+    token ids (no cached prefix). About 5 s on the reference machine, 15 s where its GEMMs are
+    5x slower."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    times: list[list[float]] = [[] for _ in BALANCE_PROBES]
+    async with aiohttp.ClientSession() as s:
+        for _ in range(runs + 1):
+            for out, (b, p, tokens) in zip(times, BALANCE_PROBES, strict=True):
+                prompts = [random_prompt(rng, p) for _ in range(b)]
+                sent = (_raw_ttlt(s, url, model, x, tokens) for x in prompts)
+                ttlts = await asyncio.gather(*sent)
+                out.append(statistics.median(ttlts))
+    return balance_from([statistics.median(t[1:]) for t in times])
 
 
 async def _speed(url: str, model: str) -> float:

@@ -9,10 +9,8 @@ measured and predicted gains are put side by side.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,48 +38,6 @@ def window_trace(source: str, window: int, n: int, max_prompt: int, max_output: 
         for r in w.requests[:n]
     ]  # fmt: skip
     return compress(trace, factor)
-
-
-PROBE_PROMPT_TOKENS = 1000
-SLOWDOWN_FLOOR = 1.5
-"""Prefill this much slower than the reference machine (or more) scales the window's prompts."""
-
-
-def prefill_slowdown(url: str, model: str, count: Callable[[str], int], runs: int = 3) -> float:
-    """How much slower this server prefills than the machine `cpu-tiny-vllm` was fitted on:
-    the median latency of a lone 1,000-token prompt (one output token) over the profile's
-    prediction for it. A vLLM CPU build on a CPU without AVX2 prefills about 10x slower while
-    its decode steps are only 1.5x slower, so the same window would be a different workload
-    (a prefill-bound engine, a backlog ten times as long)."""
-    from loadgen.engine.profiles import make_profile
-    from loadgen.replay.prompts import http_json
-
-    unit = " hello"
-    n = PROBE_PROMPT_TOKENS // max(1, count(unit * 10) // 10)
-    profile = make_profile("cpu-tiny-vllm")
-    times = []
-    for i in range(runs):
-        prompt = f"probe{i}{unit * n}"  # a word of its own: no cached prefix
-        tokens = count(prompt)
-        body = {"model": model, "prompt": prompt, "max_tokens": 1}
-        t0 = time.perf_counter()
-        http_json(url.rstrip("/") + "/v1/completions", body, 120.0)
-        measured = time.perf_counter() - t0
-        predicted = profile.request_overhead_s(0) + profile.iteration_s(0, 0, tokens)
-        times.append(measured / predicted)
-    return statistics.median(times)
-
-
-def scaled_prompts(trace: Sequence[TraceRequest], slowdown: float) -> list[TraceRequest]:
-    """The trace with every prompt shortened by `slowdown` (at least 8 tokens) when it is at
-    least `SLOWDOWN_FLOOR`, else unchanged: the prefill work per request is then what it is on
-    the reference machine, and the window keeps its balance of prefill and decode."""
-    if slowdown < SLOWDOWN_FLOOR:
-        return list(trace)
-    return [
-        dataclasses.replace(r, prompt_tokens=max(8, round(r.prompt_tokens / slowdown)))
-        for r in trace
-    ]
 
 
 def simulated_ttlt(

@@ -1,5 +1,5 @@
-"""Emulator behaviour: priority scheduling, abort on disconnect, time scale and the speed probe,
-the CLI."""
+"""Emulator behaviour: priority scheduling, abort on disconnect, time scale, the speed and
+balance probes, the CLI."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 
-from loadgen.engine.fit_cpu import profile_probe, speed_factor
-from loadgen.engine.profiles import make_profile
+from loadgen.engine.fit_cpu import emulated, machine_balance, profile_probe, speed_factor
+from loadgen.engine.profiles import CPU_TINY_VLLM, CpuTinyVllm, Scaled, make_profile
 from loadgen.procs import free_port
 
 MODEL = "tiny-llama"
@@ -132,6 +133,24 @@ async def test_speed_factor_recovers_the_time_scale(start_emulator: object) -> N
     same = await start_emulator()  # type: ignore[operator]
     assert 0.5 * 0.9 <= await speed_factor(fast, MODEL, reference, seed=1) <= 0.5 * 1.25
     assert 0.9 <= await speed_factor(same, MODEL, reference, seed=2) <= 1.15
+
+
+async def test_machine_balance_reads_the_three_speeds_apart() -> None:
+    """The balance probe behind the real-engine tests: an emulator at 1.5x the profile's time
+    whose prefill costs 8x and whose decoding sequences 3x the profile's per token reads
+    about 1.5 / 4.5 / 12 (prefill ratio 8: shifted); one at the profile's pace about 1 / 1 / 1."""
+    k = replace(CPU_TINY_VLLM, per_prefill_tok_ms=CPU_TINY_VLLM.per_prefill_tok_ms * 8,
+                per_seq_ms=CPU_TINY_VLLM.per_seq_ms * 3)  # fmt: skip
+    async with emulated(Scaled(CpuTinyVllm(k), 1.5)) as url:
+        slow = await machine_balance(url, MODEL)
+    async with emulated(CpuTinyVllm()) as url:
+        same = await machine_balance(url, MODEL)
+    got = (slow.fixed_scale, slow.sequence_scale, slow.prefill_scale)
+    assert got == pytest.approx((1.5, 4.5, 12.0), rel=0.2), got
+    assert slow.shifted and 8 * 0.8 <= slow.prefill_ratio <= 8 * 1.2
+    got = (same.fixed_scale, same.sequence_scale, same.prefill_scale)
+    assert got == pytest.approx((1.0, 1.0, 1.0), rel=0.2), got
+    assert not same.shifted
 
 
 def test_cli_serves_the_openai_client() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.vllm_real import RealVllm, split_cpus
+from loadgen.vllm_real import RealVllm, isa_path, split_cpus
 
 
 def test_worker_runs_in_the_engine_core_process_by_default() -> None:
@@ -20,6 +20,17 @@ def test_worker_runs_in_the_engine_core_process_by_default() -> None:
 def test_unknown_executor_is_rejected() -> None:
     with pytest.raises(ValueError, match="executor"):
         RealVllm(executor="ray")
+
+
+def test_unknown_isa_is_rejected_and_avx2_gets_its_shim() -> None:
+    with pytest.raises(ValueError, match="isa"):
+        RealVllm(isa="sse2")
+    assert isa_path("native") is None
+    shim = isa_path("avx2")
+    assert shim is not None
+    text = (shim / "sitecustomize.py").read_text()
+    assert 'ONEDNN_MAX_CPU_ISA"] = "AVX2"' in text and "_is_avx512_supported = " in text
+    compile(text, "sitecustomize.py", "exec")  # it is valid Python
 
 
 def test_split_cpus_gives_each_side_its_own_cpus() -> None:
