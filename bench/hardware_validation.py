@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             arm = GatewayArm(policy) if shipped else GatewayArm(policy, cap, adaptive=False)
             print(f"{policy} {label} ...", flush=True)
             with tempfile.TemporaryDirectory() as tmp:
-                results[f"gateway-{policy}"], end_caps[policy] = through_gateway(
+                results[f"gateway-{policy}"], end_caps[policy], _ = through_gateway(
                     args.url, model, reqs, arm, Path(tmp)
                 )
         for name, rs in results.items():

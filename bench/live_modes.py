@@ -119,7 +119,7 @@ def _one(server: RealVllm, reqs: list[ReplayRequest], arm: GatewayArm | None,
         if arm is None:
             results, cap = run(server.url, server.name, sent, progress=False), None
         else:
-            results, cap = through_gateway(server.url, server.name, sent, arm, Path(tmp))
+            results, cap, _ = through_gateway(server.url, server.name, sent, arm, Path(tmp))
     s = summarize_replay(results)
     return {"ttlt_mean_s": s["e2el_s_mean"], "ttft_mean_s": s["ttft_s_mean"],
             "failed": s["failed"], "cap_at_end": cap}  # fmt: skip

@@ -103,6 +103,31 @@ def at_rate(requests: Sequence[TraceRequest], rate: float) -> list[TraceRequest]
     return out
 
 
+def arrival_rate(times: Sequence[float]) -> float:
+    """Arrivals per second over the middle 80% of the arrival `times`."""
+    a = np.sort(times)
+    lo, hi = a[len(a) // 10], a[9 * len(a) // 10]
+    return 0.8 * len(a) / (hi - lo) if hi > lo else math.inf
+
+
+def at_load(requests: Sequence[TraceRequest], rate: float) -> list[TraceRequest]:
+    """`requests` offering `rate` requests per second over the middle 80% of their arrivals.
+    Without sessions: `at_rate`. With sessions the later turns trail their session's start by
+    think times, so starting sessions at `rate` / turns-per-session offers less than `rate` in
+    a finite window: the session start rate is found by bisection on the arrivals estimated at
+    build time (start + think times; the served turns' own times, a few seconds per session,
+    are left out)."""
+    per_first = turns_per_first(requests)
+    if per_first == 1.0 or math.isinf(rate):
+        return at_rate(requests, rate / per_first)
+    lo, hi = rate / per_first / 64, rate * 64
+    for _ in range(40):  # geometric bisection on the session start rate
+        mid = math.sqrt(lo * hi)
+        seen = arrival_rate([r.arrival_s for r in at_rate(requests, mid)])
+        lo, hi = (mid, hi) if seen < rate else (lo, mid)
+    return at_rate(requests, math.sqrt(lo * hi))
+
+
 @functools.lru_cache(maxsize=2)
 def window(workload: str, n: int, seed: int, think_scale: float) -> tuple[TraceRequest, ...]:
     """Seed `seed`'s window of `workload` at its own arrival times."""
@@ -164,17 +189,21 @@ def fleet_for(args: argparse.Namespace, backends: int) -> Fleet:
                  engine_waiting=not args.hide_waiting)  # fmt: skip
 
 
-def variant(args: argparse.Namespace) -> str:
-    """Key suffix of the experiments' fleet variants (none for the main grid)."""
-    return "|no-waiting" if args.hide_waiting else ""
+def run_key(args: argparse.Namespace, workload: str, backends: int, load: float, seed: int,
+            queue: str, router: str) -> str:  # fmt: skip
+    """The cache key of one run: its condition, the experiments' fleet variant, and for
+    sessions the load's definition (`at_load`)."""
+    k = key("run", workload, backends, size(args, workload), args.cap, args.think_scale, load,
+            seed, queue, router, args.precise)  # fmt: skip
+    k += "|no-waiting" if args.hide_waiting else ""
+    return k + ("|at-load" if workload == "sessions" else "")
 
 
 def load_seen(records: Sequence[RequestRecord], knee_rps: float) -> float:
     """Arrivals per second over the middle 80% of the run's arrivals, over the knee: the load
     a window really offers (session turns arrive by think time, so it ramps up and down)."""
-    a = np.sort([r.arrival_s for r in records])
-    lo, hi = a[len(a) // 10], a[9 * len(a) // 10]
-    return 0.8 * len(a) / (hi - lo) / knee_rps if hi > lo else math.nan
+    rate = arrival_rate([r.arrival_s for r in records])
+    return rate / knee_rps if math.isfinite(rate) else math.nan
 
 
 def knee(args: argparse.Namespace, runs: Runs, workload: str, backends: int) -> float:
@@ -206,7 +235,6 @@ def sweep(args: argparse.Namespace, runs: Runs) -> None:
             mu = knee(args, runs, workload, backends)
             for seed in range(args.seeds):
                 base = window(workload, size(args, workload), seed, args.think_scale)
-                per_first = turns_per_first(base)
                 bound_key = key(
                     "bound", workload, backends, size(args, workload), seed, args.think_scale
                 )
@@ -215,13 +243,11 @@ def sweep(args: argparse.Namespace, runs: Runs) -> None:
                     bounds = {f"x{m}": lru_hit_ratio(base, cap * m) for m in (0.5, 1, 4, 16)}
                     runs.put(bound_key, bounds | {"inf": lru_hit_ratio(base, math.inf)})
                 for load in args.loads:
-                    reqs = at_rate(base, load * mu / per_first)
+                    reqs = at_load(base, load * mu)
                     bel = beliefs(reqs, seed)
                     for queue in args.queues:
                         for router in args.routers:
-                            k = key("run", workload, backends, size(args, workload), args.cap,
-                                    args.think_scale, load, seed, queue, router,
-                                    args.precise) + variant(args)  # fmt: skip
+                            k = run_key(args, workload, backends, load, seed, queue, router)
                             if runs.get(k) is not None:
                                 continue
                             fleet = fleet_for(args, backends)
@@ -266,9 +292,7 @@ class Report:
                name: str) -> list[float]:  # fmt: skip
         a, out = self.args, []
         for seed in range(a.seeds):
-            k = key("run", workload, b, size(a, workload), a.cap, a.think_scale, load, seed,
-                    queue, router, a.precise) + variant(a)  # fmt: skip
-            row = self.runs.get(k)
+            row = self.runs.get(run_key(a, workload, b, load, seed, queue, router))
             out.append(math.nan if row is None else float(row[name]))
         return out
 

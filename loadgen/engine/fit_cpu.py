@@ -433,7 +433,8 @@ async def machine_shape(url: str, model: str) -> tuple[MachineBalance, MachineSh
     balance = await machine_balance(url, model)
     if not balance.shifted:
         return balance, MachineShape()
-    coefs = fit(await measure(url, model))
+    # fresh prompts (the server may have been sent a pass of `measure` before, and caches)
+    coefs = fit(await measure(url, model, seed=random.randrange(2**31)))
     names = [f.name for f in dataclasses.fields(CpuTinyCoefficients)]
     return balance, MachineShape.fitted(CpuTinyCoefficients(**{n: coefs[n] for n in names}))
 
@@ -484,11 +485,14 @@ async def _raw_ttlt(s: Any, url: str, model: str, prompt: list[int], tokens: int
     return last - t0
 
 
-async def machine_balance(url: str, model: str, runs: int = 3, seed: int = 0) -> MachineBalance:
+async def machine_balance(
+    url: str, model: str, runs: int = 3, seed: int | None = None
+) -> MachineBalance:
     """`MachineBalance` of the server at `url` (`balance_from`): medians over `runs` rounds
     (after one unmeasured round) of the `BALANCE_PROBES` (the median stream of each), random
-    token ids (no cached prefix). About 5 s on the reference machine, 15 s where its GEMMs are
-    5x slower."""
+    token ids (`seed` None: fresh ones every call, since a server caches the prefixes of what
+    it was sent before and a second probe with the same prompts would skip their prefill).
+    About 5 s on the reference machine, 15 s where its GEMMs are 5x slower."""
     import aiohttp
 
     rng = random.Random(seed)

@@ -8,11 +8,14 @@ measured and predicted gains are put side by side.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
+import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from loadgen.engine.profiles import LatencyProfile
 from loadgen.replay.client import ReplayRequest, ReplayResult
@@ -166,14 +169,41 @@ def warm_up(url: str, model: str) -> None:
     run(url, model, warm, progress=False)
 
 
-def through_gateway(
-    backend: str, model: str, requests: Sequence[ReplayRequest], arm: GatewayArm, tmp: Path
-) -> tuple[list[ReplayResult], int]:
-    """`requests` replayed through a fresh gateway (its own process, one torch thread,
-    predictor warm-started from the shipped sample) in front of `backend`; the results and
-    the backend's in-flight cap at the end (`sagesched_backend_inflight_cap`)."""
+class GatewayRun(NamedTuple):
+    """One replay through a gateway: the results, the backend's in-flight cap at the end, and
+    the cap every `CAP_EVERY_S` during the replay as (seconds since its start, cap)."""
+
+    results: list[ReplayResult]
+    cap: int
+    caps: list[tuple[float, int]]
+
+
+CAP_EVERY_S = 0.5
+"""Seconds between readings of the gateway's cap during a replay."""
+
+
+def gateway_cap(url: str) -> int:
+    """The in-flight cap of a one-backend gateway at `url` (`sagesched_backend_inflight_cap`;
+    loadgen does not import the gateway's own scrape helper)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    caps = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == CAP_SERIES
+    ]
+    return int(caps[0])
+
+
+def through_gateway(
+    backend: str, model: str, requests: Sequence[ReplayRequest], arm: GatewayArm, tmp: Path
+) -> GatewayRun:
+    """`requests` replayed through a fresh gateway (its own process, one torch thread,
+    predictor warm-started from the shipped sample) in front of `backend`, its cap read
+    every `CAP_EVERY_S` by a thread beside the replay."""
     from loadgen.demo.run import ONE_THREAD, gateway_config, write_warm_set
     from loadgen.procs import Children, free_port, sagesched
     from loadgen.replay.cli import run
@@ -188,14 +218,20 @@ def through_gateway(
         url = f"http://127.0.0.1:{port}"
         children.start("gateway", sagesched("serve", "--config", str(cfg)), url + "/ready",
                        240, env=ONE_THREAD)  # fmt: skip
-        results = run(url, model, list(requests), progress=False)
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-    # one backend: its cap (loadgen does not import the gateway's own scrape helper)
-    caps = [
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == CAP_SERIES
-    ]
-    return results, int(caps[0])
+        caps: list[tuple[float, int]] = []
+        done = threading.Event()
+        t0 = time.monotonic()
+
+        def read_caps() -> None:
+            while not done.wait(CAP_EVERY_S):
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    caps.append((round(time.monotonic() - t0, 2), gateway_cap(url)))
+
+        reader = threading.Thread(target=read_caps, daemon=True)
+        reader.start()
+        try:
+            results = run(url, model, list(requests), progress=False)
+        finally:
+            done.set()
+            reader.join()
+        return GatewayRun(results, gateway_cap(url), caps)

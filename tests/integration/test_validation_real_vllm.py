@@ -112,15 +112,16 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
     # from a copy of that memory, as a restarted gateway does
     memory = tmp / "cap-memory.json"
     for tag in LEARN_TAGS:
-        _, learnt_cap = through_gateway(
+        learnt_cap = through_gateway(
             server.url, server.name, tagged(reqs, tag), GatewayArm("fcfs", cap_memory=memory), tmp
-        )
+        ).cap
     remembered = json.loads(memory.read_text()) if memory.exists() else {}
     load = os.getloadavg()[0]
     rounds = []
     for i in range(PAIRS):
         runs: dict[str, list[ReplayResult]] = {}
         end_caps: dict[str, int] = {}
+        cap_traces: dict[str, list[tuple[float, int]]] = {}
         for j, arm in enumerate(ARMS[i:] + ARMS[:i]):
             sent = tagged(reqs, TAGS[i * len(ARMS) + j])
             if arm == "direct":
@@ -129,9 +130,10 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
                 copy = tmp / f"cap-memory-{i}-{arm}.json"
                 if remembered:
                     copy.write_text(json.dumps(remembered))
-                runs[arm], end_caps[arm] = through_gateway(
+                gw = through_gateway(
                     server.url, server.name, sent, GatewayArm(arm, cap_memory=copy), tmp
                 )
+                runs[arm], end_caps[arm], cap_traces[arm] = gw
         summary = {arm: summarize_replay(runs[arm]) for arm in ARMS}
         ttlt = {arm: summary[arm]["e2el_s_mean"] for arm in ARMS}
         rounds.append({
@@ -144,6 +146,7 @@ def validate(server: RealVllm, tmp: Path) -> dict[str, Any]:
             "lag_p99_s": {arm: summary[arm]["lag_s_p99"] for arm in ARMS},
             "failed": sum(summary[arm]["failed"] for arm in ARMS),
             "cap_at_end": end_caps,
+            "caps": cap_traces,
         })  # fmt: skip
     ratios = ("sagesched_over_direct", "fcfs_over_direct", "sagesched_over_fcfs")
     simulated = simulated_gain(reqs, profile, cap, policies=("sagesched", "fcfs"))

@@ -1,13 +1,19 @@
-"""`sagesched`: the backend where the job's expected completion cost is lowest.
+"""`sagesched`: the backend where sending the job costs the fleet the least time.
 
-The cost is the one SageSched orders by (`policies.cost.LinearProfile`, the engine's
-per-request profile bound through `on_engine`; `DEFAULT_ENGINE` until then), taken on each
-backend b with room, for a job of I prompt tokens and expected output O:
+The cost is in the engine's seconds, from the profile SageSched orders by
+(`policies.cost.LinearProfile`, the engine's per-request profile bound through `on_engine`;
+`DEFAULT_ENGINE` until then), for a job of I prompt tokens and expected output O, on each
+backend b with room (r_b running there, w_b waiting in its engine, n_b in flight):
 
-    cost_b = prefill(I − c_b)                      uncached prefill (c_b: cached prefix on b)
-           + w_b · prefill(I)                      wait: the w_b requests queued in b's engine
-                                                   prefill first (sizes unseen: like this one)
-           + load_weight · (n_b + 1) · decode(I, O) service in a batch with b's n_b in flight
+    cost_b = prefill(I − c_b)                      its uncached prefill (c_b: cached prefix on b)
+           + r_b · prefill_s_per_token · (I − c_b)  the same tokens stall every sequence running
+                                                   on b (a prefill chunk is part of their
+                                                   iterations; its fixed cost is theirs anyway)
+           + w_b · q_b                             the prefills queued ahead of it in b's engine
+                                                   (q_b: the mean uncached prefill of the jobs
+                                                   this router sent to b; the job's own full
+                                                   prefill before it sent any)
+           + load_weight · (n_b + 1) · decode(I, O) its decode, stretched by the batch it joins
 
 prefill(x) = prefill_base_s + prefill_s_per_token·x; decode(I, O) = O·step_s +
 context_s_per_token·(I·O + O(O−1)/2), the `time` cost's decode. Every running sequence
@@ -16,12 +22,13 @@ per-request share; the same reading as SageSched's preemption rule, docs/policie
 job's decode stretches with the batch it joins. That share includes the iteration's fixed
 cost split over the batch; what one more sequence really adds is its marginal cost, about a
 tenth of the share on `h200-llama3-8b` at 32 sequences (0.0146 of 0.17 ms), hence
-`load_weight` 0.1 (`bench/slot_choice.py`: 1.0 sent too many jobs away from their cache).
-c_b comes from the prefix index (`PrefixRouter`); O is the mean of the job's predicted
-distribution (then its true length for oracles, `max_tokens`, `default_output_tokens`). A
-long job weighs load, a short one with a long shared prompt weighs its cached prefix.
-`on_route` sets `Job.cached_tokens`, which SageSched's `time` cost then leaves out of the
-prefill it charges. Ties: the lower in-flight/cap, then the earlier backend.
+`load_weight` 0.1. The stall term is what makes a cache hit worth more than the prefill the
+job itself skips: on a backend running 20 sequences, a 1,000-token prefill skipped saves
+about 20 ms for each of them (docs/routing.md). c_b comes from the prefix index
+(`PrefixRouter`); O is the mean of the job's predicted distribution (then its true length for
+oracles, `max_tokens`, `default_output_tokens`). `on_route` sets `Job.cached_tokens`, which
+SageSched's `time` cost then leaves out of the prefill it charges. Ties: the lower
+in-flight/cap, then the earlier backend.
 """
 
 from __future__ import annotations
@@ -31,25 +38,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Self
 
-from policies.base import engine_param, param
+from policies.base import engine_param, param, state
 from policies.catalog.sagesched import DEFAULT_ENGINE
 from policies.cost import LinearProfile
 from policies.job import Job
 from policies.routing.base import BackendState, PrefixRouter, open_backends
 from policies.routing.registry import register_router
 
+QUEUED_WEIGHT = 0.1
+"""Weight of the newest job in a backend's moving average of uncached prefill (about the last
+ten jobs sent there)."""
+
 
 @register_router
 @dataclass(eq=False)
 class SageSchedRouter(PrefixRouter):
     name = "sagesched"
-    description = "least expected completion cost: uncached prefill + engine wait + service"
+    description = "least time cost to the fleet: prefill and its stall, engine queue, service"
     load_weight: float = param(
         0.1, "marginal over average per-sequence iteration cost (the batch-stretch weight)"
     )
     default_output_tokens: int = param(256, "output tokens assumed when nothing predicts them")
     latency: LinearProfile | None = engine_param()
     """The engine's per-request cost; set by `on_engine`."""
+    _queued: dict[str, float] = state(dict)
+    """Per backend: the mean uncached prefill (s) of the jobs sent there (moving average)."""
 
     def on_engine(self, cost: LinearProfile) -> Self:
         return self if self.latency is not None else dataclasses.replace(self, latency=cost)
@@ -68,12 +81,24 @@ class SageSchedRouter(PrefixRouter):
         best, best_key = candidates[0], (float("inf"), 0.0)
         for b in candidates:
             cached = min(self.cached_blocks(job, b) * per_block, full_prefill - lat.prefill_base_s)
-            wait = (b.waiting or 0) * full_prefill
-            cost = full_prefill - cached + wait + (b.inflight + 1) * service
+            waiting = b.waiting or 0
+            running = max(b.inflight - waiting, 0)
+            queued = waiting * self._queued.get(b.name, full_prefill)
+            stall = running * (full_prefill - lat.prefill_base_s - cached)
+            cost = full_prefill - cached + stall + queued + (b.inflight + 1) * service
             key = (cost, b.load)
             if key < best_key:
                 best, best_key = b, key
         return best
+
+    def on_route(self, job: Job, backend: BackendState) -> None:
+        super().on_route(job, backend)
+        lat = self.latency or DEFAULT_ENGINE
+        uncached = lat.prefill_s(job.prompt_tokens - job.cached_tokens)
+        last = self._queued.get(backend.name)
+        self._queued[backend.name] = (
+            uncached if last is None else last + QUEUED_WEIGHT * (uncached - last)
+        )
 
     def expected_output(self, job: Job) -> float:
         """Expected total output tokens of `job` (the prediction's mean, capped)."""

@@ -127,15 +127,43 @@ def test_sagesched_router_weighs_cache_against_load() -> None:
     router = make_router("sagesched").on_engine(LAT)
     assert isinstance(router, SageSchedRouter) and router.latency == LAT
     assert router.fresh().latency == LAT
-    backends = fleet(2, 2)
+    backends = fleet(2, 2, cap=32)
     router.on_route(job(blocks=200), backends[1])  # 3,200 tokens cached on b1
     assert router.pick(job(blocks=200, out=50), backends) is backends[1]  # equal load: cache
-    backends[1].inflight = 6  # 4 more sequences: a short job still saves 64 ms of prefill
-    assert router.pick(job(blocks=200, out=50), backends) is backends[1]
-    # a long job: 4 more batchmates stretch 1,000 decode steps by more than the saving
-    assert router.pick(job(blocks=200, out=1000), backends) is backends[0]
-    backends[0].inflight, backends[0].waiting = 5, 3  # 3 prefills queued ahead on b0
+    # 4 more sequences on b1: the 64 ms of prefill a long job skips there would also stall the
+    # 2 sequences running on b0, more than 4 batchmates stretch its 1,000 decode steps
+    backends[1].inflight = 6
     assert router.pick(job(blocks=200, out=1000), backends) is backends[1]
+    backends[1].inflight = 20  # 18 more batchmates: the cache is not worth it any more
+    assert router.pick(job(blocks=200, out=1000), backends) is backends[0]
+    assert router.pick(job(blocks=200, out=50), backends) is backends[1]  # a short one: still
+    backends[0].inflight, backends[0].waiting = 6, 4  # 4 prefills queued ahead on b0
+    assert router.pick(job(blocks=200, out=1000), backends) is backends[1]
+
+
+def test_sagesched_router_prefers_a_full_hit_on_a_busy_backend() -> None:
+    """A prompt wholly cached on a backend running 30 stalls none of them; sent to the idle
+    one, its 1,600 prefilled tokens would stall the 2 running there and wait for themselves."""
+    router = make_router("sagesched").on_engine(LAT)
+    backends = fleet(30, 2, cap=64)
+    router.on_route(job(blocks=100), backends[0])
+    assert router.pick(job(blocks=100, out=20), backends) is backends[0]
+    fresh = router.fresh()  # nothing cached anywhere: the idle backend
+    assert fresh.pick(job(blocks=100, out=20), backends) is backends[1]
+
+
+def test_sagesched_router_reads_the_engine_queue_as_the_prefills_sent_there() -> None:
+    """Equal queues, but the jobs sent to b0 were cache hits and those sent to b1 were not:
+    b0's queue clears sooner."""
+    router = make_router("sagesched").on_engine(LAT)
+    backends = fleet(4, 4, cap=32)
+    for k in range(20):
+        router.on_route(job(blocks=200, root=1), backends[0])  # one miss, then hits
+        router.on_route(job(blocks=200, root=100 + k), backends[1])  # every one a miss
+    backends[0].waiting = backends[1].waiting = 3
+    assert router.pick(job(out=20), backends) is backends[0]
+    backends[0].waiting = 4  # one more queued on b0 still costs less than b1's three
+    assert router.pick(job(out=20), backends) is backends[0]
 
 
 def test_sagesched_router_sets_cached_tokens() -> None:
