@@ -59,6 +59,9 @@ class SageSchedRouter(PrefixRouter):
         0.1, "marginal over average per-sequence iteration cost (the batch-stretch weight)"
     )
     default_output_tokens: int = param(256, "output tokens assumed when nothing predicts them")
+    stall_weight: float = param(
+        1.0, "weight of the running batch's stall (0: the job's own prefill only)"
+    )
     latency: LinearProfile | None = engine_param()
     """The engine's per-request cost; set by `on_engine`."""
     _queued: dict[str, float] = state(dict)
@@ -84,7 +87,7 @@ class SageSchedRouter(PrefixRouter):
             waiting = b.waiting or 0
             running = max(b.inflight - waiting, 0)
             queued = waiting * self._queued.get(b.name, full_prefill)
-            stall = running * (full_prefill - lat.prefill_base_s - cached)
+            stall = self.stall_weight * running * (full_prefill - lat.prefill_base_s - cached)
             cost = full_prefill - cached + stall + queued + (b.inflight + 1) * service
             key = (cost, b.load)
             if key < best_key:

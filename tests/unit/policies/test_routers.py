@@ -141,6 +141,15 @@ def test_sagesched_router_weighs_cache_against_load() -> None:
     assert router.pick(job(blocks=200, out=1000), backends) is backends[1]
 
 
+def test_sagesched_router_without_the_stall_term_weighs_only_its_own_prefill() -> None:
+    """`stall_weight=0`: the 64 ms a long job skips on b1 no longer outweighs 4 batchmates."""
+    backends = fleet(2, 6, cap=32)
+    for weight, chosen in ((1.0, 1), (0.0, 0)):
+        router = make_router("sagesched", stall_weight=weight).on_engine(LAT)
+        router.on_route(job(blocks=200), backends[1])
+        assert router.pick(job(blocks=200, out=1000), backends) is backends[chosen]
+
+
 def test_sagesched_router_prefers_a_full_hit_on_a_busy_backend() -> None:
     """A prompt wholly cached on a backend running 30 stalls none of them; sent to the idle
     one, its 1,600 prefilled tokens would stall the 2 running there and wait for themselves."""
