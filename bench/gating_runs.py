@@ -56,7 +56,7 @@ def one_run(i: int, isa: str = "native") -> dict[str, Any]:
     if FIDELITY.exists():
         fid = json.loads(FIDELITY.read_text())
         row["fidelity"] = fid["ratio"]
-        row["time_scales"] = [p["fit"]["time_scale"] for p in fid["pairs"]]
+        row["time_scales"] = [fid["fit"]["time_scale"]]
         row["kind"] = "other" if fid.get("balance", {}).get("prefill_ratio", 1) >= 1.5 else "ref"
     if VALIDATION.exists():
         val = json.loads(VALIDATION.read_text())

@@ -19,5 +19,5 @@ pytestmark = pytest.mark.slow
 async def test_avx2_server_reads_as_another_machine_kind() -> None:
     with RealVllm(isa="avx2", log_path=CACHE / "vllm-avx2.log") as server:
         balance = await machine_balance(server.url, server.name)
-    # measured ~7-10 where the native build runs its AVX-512 kernels (~1.2 there)
-    assert balance.shifted and balance.prefill_ratio >= 2 * BALANCE_FLOOR, balance
+    # measured 7-12; the native build, running its AVX-512 kernels, read 1.2-1.7
+    assert balance.shifted and balance.prefill_ratio >= BALANCE_FLOOR, balance

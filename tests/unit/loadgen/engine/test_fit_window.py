@@ -72,6 +72,8 @@ def test_shape_of_the_reference_kind_keeps_the_window() -> None:
 def test_balance_is_shifted_by_prefill_against_fixed_work() -> None:
     assert MachineBalance(fixed_scale=0.8, sequence_scale=4.0, prefill_scale=7.0).shifted
     assert not MachineBalance(fixed_scale=0.6, sequence_scale=0.6, prefill_scale=0.8).shifted
+    # the reference kind read up to 1.7 (a noisy probe): still the reference
+    assert not MachineBalance(fixed_scale=0.68, sequence_scale=0.78, prefill_scale=1.17).shifted
 
 
 @pytest.mark.parametrize("scales", [(1.0, 1.0, 1.0), (0.8, 3.0, 6.0), (2.0, 1.0, 1.5)])
