@@ -24,8 +24,9 @@ without their think times), and the knee is the completions per second in the se
 the time jobs wait at the gateway (the first half holds the start-up transient, when the
 first batch is still in prefill and nothing completes). Load x then means arrivals at x × knee
 requests per second: Mooncake windows are time-scaled to that mean rate; sessions start at
-x × knee / (mean turns per session) per second (the request rate an endless stream of such
-sessions would offer; a finite window ramps up and down around it).
+the rate (found by bisection, `at_load`) at which their turns' estimated arrivals (start plus
+think times) come at x × knee over the middle 80% of the window; the turns really arrive a
+think time after their previous answer, so closed sessions offer less once the fleet queues.
 
 Predictions: a noisy oracle (log-normal, 50% relative error, seeded) for every job, which both
 SageSched and the `sagesched` router read. The capacity bound is `lru_hit_ratio` of the window

@@ -6,9 +6,10 @@ The cost is in the engine's seconds, from the profile SageSched orders by
 backend b with room (r_b running there, w_b waiting in its engine, n_b in flight):
 
     cost_b = prefill(I − c_b)                      its uncached prefill (c_b: cached prefix on b)
-           + r_b · prefill_s_per_token · (I − c_b)  the same tokens stall every sequence running
-                                                   on b (a prefill chunk is part of their
-                                                   iterations; its fixed cost is theirs anyway)
+           + s · r_b · prefill_s_per_token · (I − c_b)  the same tokens stall every sequence
+                                                   running on b (a prefill chunk is part of
+                                                   their iterations; its fixed cost is theirs
+                                                   anyway), weighted by `stall_weight` s
            + w_b · q_b                             the prefills queued ahead of it in b's engine
                                                    (q_b: the mean uncached prefill of the jobs
                                                    this router sent to b; the job's own full
@@ -24,11 +25,13 @@ cost split over the batch; what one more sequence really adds is its marginal co
 tenth of the share on `h200-llama3-8b` at 32 sequences (0.0146 of 0.17 ms), hence
 `load_weight` 0.1. The stall term is what makes a cache hit worth more than the prefill the
 job itself skips: on a backend running 20 sequences, a 1,000-token prefill skipped saves
-about 20 ms for each of them (docs/routing.md). c_b comes from the prefix index
-(`PrefixRouter`); O is the mean of the job's predicted distribution (then its true length for
-oracles, `max_tokens`, `default_output_tokens`). `on_route` sets `Job.cached_tokens`, which
-SageSched's `time` cost then leaves out of the prefill it charges. Ties: the lower
-in-flight/cap, then the earlier backend.
+about 20 ms for each of them. At full weight it also piles jobs onto the backends holding
+their prefix, whose engine queues then grow faster than `q_b` says; `stall_weight` 0.3 was
+the best of 0, 0.3 and 1 in the routing study (docs/routing.md, `exp-stall.md`). c_b comes
+from the prefix index (`PrefixRouter`); O is the mean of the job's predicted distribution
+(then its true length for oracles, `max_tokens`, `default_output_tokens`). `on_route` sets
+`Job.cached_tokens`, which SageSched's `time` cost then leaves out of the prefill it charges.
+Ties: the lower in-flight/cap, then the earlier backend.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class SageSchedRouter(PrefixRouter):
     )
     default_output_tokens: int = param(256, "output tokens assumed when nothing predicts them")
     stall_weight: float = param(
-        1.0, "weight of the running batch's stall (0: the job's own prefill only)"
+        0.3, "weight of the running batch's stall (0: the job's own prefill only)"
     )
     latency: LinearProfile | None = engine_param()
     """The engine's per-request cost; set by `on_engine`."""
