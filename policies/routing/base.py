@@ -154,6 +154,9 @@ class PrefixRouter(Router):
 
     uses_prefix = True
     _sent: PrefixIndexes = state(PrefixIndexes)
+    _decision: Job | None = state(lambda: None)
+    """The job whose matches `_matched` holds (the decision under way)."""
+    _matched: dict[str, int] = state(dict)
 
     def match(self, prefix: Sequence[int], backend: BackendState) -> int:
         """Leading blocks of `prefix` expected cached on `backend`."""
@@ -164,8 +167,15 @@ class PrefixRouter(Router):
         return self._sent.match(backend.name, prefix)
 
     def cached_blocks(self, job: Job, backend: BackendState) -> int:
-        """Leading blocks of `job.prefix` expected cached on `backend`."""
-        return self.match(job.prefix, backend)
+        """Leading blocks of `job.prefix` expected cached on `backend` (remembered for the
+        job's decision, so `on_route` does not match the chosen backend again)."""
+        if self._decision is not job:
+            self._decision = job
+            self._matched.clear()
+        blocks = self._matched.get(backend.name)
+        if blocks is None:
+            blocks = self._matched[backend.name] = self.match(job.prefix, backend)
+        return blocks
 
     def index_size(self, backend: BackendState) -> int:
         """Blocks this router remembers sending to `backend`."""
@@ -174,12 +184,15 @@ class PrefixRouter(Router):
     def on_route(self, job: Job, backend: BackendState) -> None:
         if not job.prefix:
             job.cached_tokens = 0
+            self._decision = None
             return
         blocks = self.cached_blocks(job, backend)
         job.cached_tokens = min(blocks * job.block_tokens, job.prompt_tokens)
         size = capacity_blocks(backend.kv_tokens, job.block_tokens)
         sent = None if backend.index is not None else blocks  # what this index holds
         self._sent.insert(backend.name, job.prefix, size, sent)
+        self._decision = None  # the index changed: the next decision matches afresh
 
     def on_evict(self, backend: str, block_hashes: Iterable[int]) -> None:
         self._sent.remove(backend, block_hashes)
+        self._decision = None

@@ -82,16 +82,21 @@ class SageSchedRouter(PrefixRouter):
         out = self.expected_output(job)
         decode = out * lat.step_s + lat.context_s_per_token * (prompt * out + out * (out - 1) / 2)
         service = self.load_weight * decode
-        full_prefill = lat.prefill_base_s + lat.prefill_s_per_token * prompt
+        tokens_s = lat.prefill_s_per_token * prompt  # the prefill's per-token part
+        full_prefill = lat.prefill_base_s + tokens_s
         per_block = lat.prefill_s_per_token * job.block_tokens
+        stall_weight, queued = self.stall_weight, self._queued
         best, best_key = candidates[0], (float("inf"), 0.0)
         for b in candidates:
-            cached = min(self.cached_blocks(job, b) * per_block, full_prefill - lat.prefill_base_s)
+            uncached = tokens_s - min(self.cached_blocks(job, b) * per_block, tokens_s)
             waiting = b.waiting or 0
-            running = max(b.inflight - waiting, 0)
-            queued = waiting * self._queued.get(b.name, full_prefill)
-            stall = self.stall_weight * running * (full_prefill - lat.prefill_base_s - cached)
-            cost = full_prefill - cached + stall + queued + (b.inflight + 1) * service
+            running = b.inflight - waiting if b.inflight > waiting else 0
+            cost = (
+                lat.prefill_base_s
+                + uncached * (1.0 + stall_weight * running)  # own wait + the batch's stall
+                + waiting * queued.get(b.name, full_prefill)  # the engine's queue ahead
+                + (b.inflight + 1) * service
+            )
             key = (cost, b.load)
             if key < best_key:
                 best, best_key = b, key

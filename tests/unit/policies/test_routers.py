@@ -209,3 +209,18 @@ def test_index_forgets_what_the_engine_evicted(name: str) -> None:
     j = job(blocks=6)
     router.on_route(j, backends[1])
     assert j.cached_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["prefix", "cache-aware", "sagesched"])
+def test_a_job_routed_again_sees_what_its_first_route_cached(name: str) -> None:
+    """The matches a decision remembers are dropped once the index changes: the same job
+    sent twice (a requeued one) finds its own blocks the second time."""
+    router = make_router(name)
+    backends = fleet(0, 0)
+    j = job(blocks=6)
+    router.pick(j, backends)
+    router.on_route(j, backends[1])
+    assert j.cached_tokens == 0
+    router.pick(j, backends)
+    router.on_route(j, backends[1])
+    assert j.cached_tokens == 6 * 16
