@@ -7,9 +7,10 @@ Run (one process; each run is cached in `--runs`, so an interrupted sweep resume
     PYTHONPATH=. python bench/routing_study.py --workloads sessions mooncake-synthetic \\
         mooncake-conversation --loads 0.6 0.9 1.2 --seeds 3 --requests 1000
 
-Fleet: `--backends` × `h200-llama3-8b` (engine config of that name: vLLM V1's H200 defaults,
-chunked prefill, 870,400 KV tokens, prefix caching), the gateway's cap 32 in flight per
-backend, one gateway queue (`loadgen.sim.fleet.simulate_fleet`). Workloads, per seed:
+Fleet: `--backends` × `--engine` (default `h200-llama3-8b`: the engine config and latency
+profile of that name, vLLM V1's H200 defaults, chunked prefill, 870,400 KV tokens, prefix
+caching; `h200-qwen3-32b`: 245,760 KV tokens), the gateway's cap 32 in flight per backend, one
+gateway queue (`loadgen.sim.fleet.simulate_fleet`). Workloads, per seed:
 
 - `sessions`: ShareGPT multi-turn chat sessions (`loadgen.traces.sessions`), real token ids in
   16-token blocks, think times log-normal with the BurstGPT fit's σ (1.67) and its median
@@ -184,9 +185,19 @@ def key(*parts: object) -> str:
     return "|".join(map(str, parts))
 
 
+ENGINES = ("h200-llama3-8b", "h200-qwen3-32b")
+"""The fleets' engines (configuration and latency profile of that name): Llama-3.1-8B with the
+KV it holds at vLLM's default memory share (870,400 tokens), Qwen3-32B (245,760)."""
+
+
+def engine_tag(args: argparse.Namespace) -> str:
+    """Key suffix of a fleet of another engine than the first (none for the default)."""
+    return "" if args.engine == ENGINES[0] else f"|{args.engine}"
+
+
 def fleet_for(args: argparse.Namespace, backends: int) -> Fleet:
-    engine = engine_config("h200-llama3-8b")
-    return Fleet(backends, engine, "h200-llama3-8b", args.cap, precise=args.precise,
+    engine = engine_config(args.engine)
+    return Fleet(backends, engine, args.engine, args.cap, precise=args.precise,
                  engine_waiting=not args.hide_waiting)  # fmt: skip
 
 
@@ -197,7 +208,7 @@ def run_key(args: argparse.Namespace, workload: str, backends: int, load: float,
     k = key("run", workload, backends, size(args, workload), args.cap, args.think_scale, load,
             seed, queue, router, args.precise)  # fmt: skip
     k += "|no-waiting" if args.hide_waiting else ""
-    return k + ("|at-load" if workload == "sessions" else "")
+    return k + ("|at-load" if workload == "sessions" else "") + engine_tag(args)
 
 
 def load_seen(records: Sequence[RequestRecord], knee_rps: float) -> float:
@@ -210,6 +221,7 @@ def load_seen(records: Sequence[RequestRecord], knee_rps: float) -> float:
 def knee(args: argparse.Namespace, runs: Runs, workload: str, backends: int) -> float:
     """Saturated throughput (req/s) of FCFS + least-loaded, seed 0's window all at once."""
     k = key("knee", workload, backends, size(args, workload), args.cap, args.think_scale)
+    k += engine_tag(args)
     row = runs.get(k)
     if row is None:
         base = window(workload, size(args, workload), 0, args.think_scale)
@@ -238,7 +250,7 @@ def sweep(args: argparse.Namespace, runs: Runs) -> None:
                 base = window(workload, size(args, workload), seed, args.think_scale)
                 bound_key = key(
                     "bound", workload, backends, size(args, workload), seed, args.think_scale
-                )
+                ) + engine_tag(args)
                 if runs.get(bound_key) is None:
                     cap = fleet_for(args, backends).kv_tokens
                     bounds = {f"x{m}": lru_hit_ratio(base, cap * m) for m in (0.5, 1, 4, 16)}
@@ -299,7 +311,8 @@ class Report:
 
     def bound(self, workload: str, b: int, which: str) -> list[float]:
         a = self.args
-        rows = [self.runs.get(key("bound", workload, b, size(a, workload), s, a.think_scale))
+        rows = [self.runs.get(key("bound", workload, b, size(a, workload), s, a.think_scale)
+                              + engine_tag(a))
                 for s in range(a.seeds)]  # fmt: skip
         return [math.nan if r is None else float(r[which]) for r in rows]
 
@@ -310,7 +323,10 @@ class Report:
         a, lines = self.args, []
         for workload in a.workloads:
             for b in a.backends:
-                k = self.runs.get(key("knee", workload, b, size(a, workload), a.cap, a.think_scale))
+                k = self.runs.get(
+                    key("knee", workload, b, size(a, workload), a.cap, a.think_scale)
+                    + engine_tag(a)
+                )
                 mu = math.nan if k is None else k["knee"]
                 lines += [f"### {workload}, {b} backends (knee {mu:.2f} req/s)", ""]
                 bounds = ", ".join(f"{w}: {fmt(self.bound(workload, b, w))}"
@@ -445,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--backends", nargs="*", type=int, default=[4])
+    ap.add_argument("--engine", default=ENGINES[0], choices=ENGINES, help="the backends' engine")
     ap.add_argument("--loads", nargs="*", type=float, default=[0.6, 0.9, 1.2])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=1000)
