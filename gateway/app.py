@@ -60,8 +60,10 @@ from gateway.openai_api import Kind, parse_body, parse_call
 from gateway.prediction import Prediction
 from gateway.prompts import PromptCounter
 from gateway.relay import SSE_HEADERS, Relay
+from gateway.routing import SESSION_HEADER, session_key
 from gateway.security import AdminListener, admin_middleware, key_matches, limits_middleware
 from policies import Job, Policy, parse_policy
+from policies.routing import parse_router
 
 if TYPE_CHECKING:
     from predictor import LengthPredictor
@@ -191,6 +193,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             health_interval_s=config.health_interval_s,
             adaptive=config.adaptive_cap,
             memory_path=config.adaptive_cap.memory_file(config.predictor.snapshot_path),
+            router=parse_router(config.routing),
         )
         dispatcher = Dispatcher(policy, pool, config)  # listens to the pool's capacity
     else:  # a worker of `serve --workers N`: the authority's pool and queue
@@ -391,7 +394,8 @@ async def accept(state: GatewayState, request: web.Request, kind: Kind, trace: R
     if not state.pool.serves(call.model):
         raise ModelNotFound(f"the model '{call.model}' does not exist", param="model")
     trace.model = call.model
-    return state.dispatcher.new_job(call, trace, None, klass)
+    session = session_key(request.headers.get(SESSION_HEADER))
+    return state.dispatcher.new_job(call, trace, None, klass, session)
 
 
 def settle(state: GatewayState, trace: RequestTrace, job: Job | None) -> None:

@@ -37,6 +37,7 @@ from gateway.metrics import GatewayMetrics, RequestTrace, merge_expositions
 from gateway.openai_api import Call
 from gateway.slot import Attempt, Grant, PreemptWindow
 from policies import Job, parse_policy
+from policies.routing import parse_router
 
 log = logging.getLogger("sagesched.authority")
 
@@ -141,7 +142,8 @@ class Authority:
                                 health_interval_s=config.health_interval_s,
                                 adaptive=config.adaptive_cap,
                                 memory_path=config.adaptive_cap.memory_file(
-                                    config.predictor.snapshot_path))  # fmt: skip
+                                    config.predictor.snapshot_path),
+                                router=parse_router(config.routing))  # fmt: skip
         self.dispatcher = Dispatcher(policy, self.pool, config)
         self.metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
         self.metrics.watch(self.pool, self.dispatcher)
@@ -274,8 +276,9 @@ class Authority:
                     priority=0, prompt_text="", tenant=fields["tenant"])  # fmt: skip
         trace = RequestTrace(model=call.model, arrived=fields["arrival"],
                              policy=self.dispatcher.label)  # fmt: skip
-        job = self.dispatcher.new_job(call, trace, wire.dist_of(fields), klass)
+        job = self.dispatcher.new_job(call, trace, wire.dist_of(fields), klass, fields["session"])
         job.prompt_tokens = fields["prompt_tokens"]
+        job.prefix, job.block_tokens = tuple(fields["prefix"]), fields["block_tokens"]
         job.rank_score = fields["rank_score"]
         return job
 

@@ -17,6 +17,14 @@ the fullest engine's KV. The fitted curves are remembered in a small JSON file
 The cap starts at the backend's `max_inflight` (or the remembered batch) and stays within the
 adaptive config's [min_inflight, max_inflight].
 
+Routing (`GatewayConfig.routing`, a `policies.routing` router, one per served model so each
+keeps its own index of what it sent where): `pick(model, exclude, job)` shows the router every
+backend this gateway may send the job to as a `BackendState` (in flight, cap, health, the
+engine's queue, KV use and capacity from the last scrape) and returns its choice; `routed`
+tells the router where the job went (a prefix router records the prompt's blocks there and
+sets `Job.cached_tokens`), `release` that it left. Without a job, `pick` only asks whether a
+backend has room (the least-loaded one).
+
 Capacity changes (a slot released, a backend turned healthy, a cap grown) are announced to the
 listeners (`listen`: the dispatcher's `pump`). What the metrics show (in-flight, cap, health)
 is read off the `Backend` objects when Prometheus scrapes (`gateway.metrics`).
@@ -38,14 +46,18 @@ from typing import Any
 import aiohttp
 
 from gateway.config import AdaptiveCapConfig, BackendConfig
+from policies import Job
 from policies.capacity import CapController, EngineSample, combine_kv
 from policies.cost import LinearProfile
+from policies.routing import BackendState, Router, make_router
 
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
 MEMORY_SAVE_S = 60.0
 """Seconds between writes of the curve memory (also written at stop)."""
+KV_BLOCK_TOKENS = 16
+"""vLLM's default KV block size: the unit a backend's capacity is counted in for routers."""
 NO_METRICS_RETRY_S = 30.0
 """A backend that answered 404 for `/metrics` (not vLLM) is asked again after this long,
 not every quarter second of a slow start that never ends without samples."""
@@ -64,6 +76,8 @@ class Backend:
     """The model cards of its last `/v1/models` answer."""
     controller: CapController | None = None
     """The self-tuning cap's state (None: fixed cap)."""
+    sample: EngineSample | None = None
+    """What its last `/metrics` scrape read (None: not scraped, or not vLLM)."""
 
     @property
     def name(self) -> str:
@@ -79,6 +93,21 @@ class Backend:
 
     def has_room(self) -> bool:
         return self.healthy and self.inflight < self.cap
+
+    def state(self) -> BackendState:
+        """This backend as a router sees it (`policies.routing.BackendState`)."""
+        sample = self.sample or EngineSample()
+        capacity = sample.kv_capacity_tokens
+        return BackendState(
+            name=self.name,
+            inflight=self.inflight,
+            cap=self.cap,
+            serving=self.healthy,
+            waiting=None if sample.waiting is None else int(sample.waiting),
+            kv_usage=sample.kv_usage,
+            kv_blocks=None if not capacity else int(capacity) // KV_BLOCK_TOKENS,
+            block_tokens=KV_BLOCK_TOKENS,
+        )
 
 
 def curve_view(b: Backend) -> dict[str, Any]:
@@ -199,12 +228,17 @@ class BackendPool:
         health_interval_s: float,
         adaptive: AdaptiveCapConfig,
         memory_path: str | None = None,
+        router: Router | None = None,
     ) -> None:
         """`memory_path`: the curve memory file (`AdaptiveCapConfig.memory_file`), read at
-        `start` and written every `MEMORY_SAVE_S` and at `stop`."""
+        `start` and written every `MEMORY_SAVE_S` and at `stop`. `router`: the configured
+        router (a template: each model routes with its own fresh copy; default least-loaded)."""
         self.backends = [
             Backend(c, cap=c.max_inflight, models=frozenset(c.models)) for c in configs
         ]
+        self._by_name = {b.name: b for b in self.backends}
+        self._router = router or make_router("least-loaded")
+        self._routers: dict[str, Router] = {}
         self._law = adaptive.law() if adaptive.enabled else None
         self._memory_path = memory_path
         self._memory: dict[str, Any] = {}
@@ -294,14 +328,41 @@ class BackendPool:
                 cards.setdefault(model, {"id": model, "object": "model", "owned_by": "sagesched"})
         return list(cards.values())
 
-    def pick(self, model: str, exclude: frozenset[str] | set[str] = frozenset()) -> Backend | None:
-        """The least-loaded healthy backend with room that serves `model`, or None. Only this
-        gateway's own backends (`BackendConfig.owned`, one replica's share) while one of them
-        serving `model` is healthy: another replica's would be over-admitted."""
+    @property
+    def routing(self) -> str:
+        """The configured router's label (metrics, admin views)."""
+        return self._router.label()
+
+    def router(self, model: str) -> Router:
+        """The router of `model`'s jobs: a fresh copy of the configured one, bound to the
+        engine's cost as the self-tuning caps fitted it when the model was first routed."""
+        router = self._routers.get(model)
+        if router is None:
+            router = self._router.fresh()
+            cost = self.engine_profile(model)
+            if cost is not None:
+                router = router.on_engine(cost)
+            self._routers[model] = router
+        return router
+
+    def pick(
+        self, model: str, exclude: frozenset[str] | set[str] = frozenset(), job: Job | None = None
+    ) -> Backend | None:
+        """Where `job` goes: the router's choice among the healthy backends with room that
+        serve `model`, or None. Only this gateway's own backends (`BackendConfig.owned`, one
+        replica's share) while one of them serving `model` is healthy: another replica's would
+        be over-admitted. Without a job: the least-loaded one (is there room at all?)."""
         serving = [b for b in self.backends if model in b.models and b.name not in exclude]
         mine = [b for b in serving if b.config.owned and b.healthy] or serving
-        open_ = [b for b in mine if b.has_room()]
-        return min(open_, key=lambda b: b.inflight / b.cap, default=None)
+        if job is None:
+            open_ = [b for b in mine if b.has_room()]
+            return min(open_, key=lambda b: b.inflight / b.cap, default=None)
+        chosen = self.router(model).pick(job, [b.state() for b in mine])
+        return None if chosen is None else self._by_name[chosen.name]
+
+    def routed(self, model: str, job: Job, b: Backend) -> None:
+        """`job` was sent to `b` (after `pick`): the router records it."""
+        self.router(model).on_route(job, b.state())
 
     def engine_profile(self, model: str) -> LinearProfile | None:
         """What one request of `model` costs its engines, from the self-tuning caps' fitted
@@ -331,8 +392,11 @@ class BackendPool:
     def acquire(self, b: Backend) -> None:
         b.inflight += 1
 
-    def release(self, b: Backend) -> None:
+    def release(self, b: Backend, model: str | None = None, job: Job | None = None) -> None:
+        """`b`'s slot is free again (the job, if given, left it: its router is told)."""
         b.inflight -= 1
+        if job is not None and model is not None:
+            self.router(model).on_finish(job, b.state())
         self._capacity()
 
     def mark_down(self, b: Backend) -> None:
@@ -397,6 +461,7 @@ class BackendPool:
             sample = read_sample(text) if status == 200 else EngineSample()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return b.controller.interval_s  # no reading this time: wait for the next one
+        b.sample = sample
         changes = b.controller.changes
         self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight))
         if b.controller.changes != changes:

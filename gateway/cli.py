@@ -28,6 +28,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--policy", help="policy spec, e.g. sagesched or fcfs (see `sagesched policies`)"
     )
+    p.add_argument("--routing", help="router spec: which backend a job goes to, e.g. sagesched "
+                   "(the default), prefix or least-loaded (see `sagesched routers`)")  # fmt: skip
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
     p.add_argument("--workers", type=int,
@@ -66,6 +68,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         k: getattr(args, k)
         for k in (
             "policy",
+            "routing",
             "host",
             "port",
             "workers",

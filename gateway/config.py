@@ -253,6 +253,11 @@ class GatewayConfig:
     host (this process) keeps one queue per model (`gateway.workers`)."""
     policy: str = "sagesched"
     """Policy spec, `name[:key=value,...]` (see `sagesched policies`)."""
+    routing: str = "sagesched"
+    """Router spec, `name[:key=value,...]` (see `sagesched routers`): which backend a granted
+    job goes to (docs/gateway.md "Routing"). The default weighs each backend's expected cached
+    prefix, engine queue and batch in the engine's seconds; `least-loaded` is the lowest
+    in-flight/cap."""
     backends: tuple[BackendConfig, ...] = ()
     """Upstream servers."""
     max_waiting: int = 10_000
@@ -337,6 +342,7 @@ _ENV_KEYS = {
     "PORT": "port",
     "WORKERS": "workers",
     "POLICY": "policy",
+    "ROUTING": "routing",
     "ADMIN_KEY": "admin_key",
     "ADMIN_LISTEN": "admin_listen",
     "API_KEYS": "api_keys",
@@ -446,6 +452,12 @@ def validate(config: GatewayConfig) -> None:
         parse_policy(config.policy)
     except ValueError as exc:
         raise ConfigError(f"policy: {exc}") from None
+    from policies.routing import parse_router
+
+    try:
+        parse_router(config.routing)
+    except ValueError as exc:
+        raise ConfigError(f"routing: {exc}") from None
 
 
 def _validate_cap(cfg: AdaptiveCapConfig) -> None:

@@ -32,8 +32,10 @@ from gateway.config import GatewayConfig, TrafficClass
 from gateway.errors import QueueTimeout, UpstreamFailed
 from gateway.metrics import RequestTrace
 from gateway.openai_api import Call
+from gateway.routing import request_prefix
 from gateway.slot import Attempt, Grant, PreemptWindow
 from policies import Job, LengthDist, Policy, Scheduler
+from policies.routing import parse_router
 
 
 @dataclass(eq=False)
@@ -135,6 +137,8 @@ class Dispatcher:
         self._slots: dict[int, LocalSlot] = {}
         """Admitted jobs not yet finished, by job id."""
         self.label = policy.label()
+        self._chains = parse_router(config.routing).uses_prefix
+        """The router reads prompts' block chains: each job gets one (`gateway.routing`)."""
         self._admission = Admission(
             self.classes, config.max_waiting, config.retry_after_s, self.waiting
         )
@@ -218,11 +222,14 @@ class Dispatcher:
         trace: RequestTrace,
         dist: LengthDist | None,
         klass: TrafficClass | None = None,
+        session: str | None = None,
     ) -> Job:
         """A job of class `klass` (default: the configured default class): its band is the
-        class's priority, its tenant the call's."""
+        class's priority, its tenant the call's; its prompt's block chain when the router
+        reads prefixes, and the client's conversation key `session`."""
         klass = klass or self.classes.default
         trace.klass, trace.tenant = klass.name, call.tenant
+        prefix, block_tokens = request_prefix(call) if self._chains else ((), 0)
         return Job(
             id=next(self._ids),
             arrival_s=trace.arrived,
@@ -231,6 +238,9 @@ class Dispatcher:
             tenant=call.tenant,
             priority=klass.priority,
             dist=dist,
+            prefix=prefix,
+            block_tokens=block_tokens,
+            session=session,
             ctx=Ticket(call=call, trace=trace, klass=klass),
         )
 
@@ -307,7 +317,7 @@ class Dispatcher:
         self.scheduler(ticket.call.model).finish(job, self._clock())
         backend, slot.backend = slot.backend, None
         if backend is not None:
-            self._pool.release(backend)  # pumps
+            self._pool.release(backend, ticket.call.model, job)  # pumps
 
     def _requeue(self, slot: LocalSlot, *, preempted: bool) -> None:
         """Give the backend slot back and wait again (after a preemption or a failure)."""
@@ -317,7 +327,7 @@ class Dispatcher:
         slot.future = asyncio.get_running_loop().create_future()
         slot.window = None
         if backend is not None:
-            self._pool.release(backend)  # pumps
+            self._pool.release(backend, job.ctx.call.model, job)  # pumps
 
     def _retry_elsewhere(self, slot: LocalSlot, *, backend_down: bool) -> None:
         """The backend failed before the first byte: exclude it and queue again, or raise
@@ -343,7 +353,7 @@ class Dispatcher:
         now = self._clock()
         for model, sched in self._schedulers.items():
             while (job := sched.queue.peek(now)) is not None:
-                backend = self._pool.pick(model, self._slots[job.id].excluded)
+                backend = self._pool.pick(model, self._slots[job.id].excluded, job)
                 if backend is None:
                     break
                 sched.dispatch(now)
@@ -353,6 +363,7 @@ class Dispatcher:
         slot = self._slots[job.id]
         self._admission.left(job, job.ctx.klass)
         self._pool.acquire(backend)
+        self._pool.routed(job.ctx.call.model, job, backend)
         slot.backend = backend
         priority = None
         if self._config.forward_priority and backend.config.priority_scheduling:

@@ -50,7 +50,8 @@ def unpack(line: bytes) -> Message:
 
 
 def job_fields(job: Job) -> Message:
-    """What the authority needs to queue a worker's job (ids, times, sizes, prediction)."""
+    """What the authority needs to queue and route a worker's job (ids, times, sizes,
+    prediction, the prompt's block chain and session)."""
     ticket = job.ctx
     call = ticket.call
     dist = job.dist
@@ -67,6 +68,9 @@ def job_fields(job: Job) -> Message:
         "support": None if dist is None else dist.support.tolist(),
         "probs": None if dist is None else dist.probs.tolist(),
         "rank_score": job.rank_score,
+        "prefix": job.prefix,
+        "block_tokens": job.block_tokens,
+        "session": job.session,
     }
 
 

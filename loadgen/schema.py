@@ -34,9 +34,9 @@ class TraceRequest:
     """Priority class (vLLM's convention, lower first; the `bands` policy's band). Traces
     carry none: 0, unless a workload assigns classes (`bench/classes.py`)."""
     block_hashes: tuple[int, ...] = ()
-    """The prompt's chained block hashes (`loadgen.prefix`): entry k identifies the prefix of
-    blocks 0..k, so two requests share a cached prefix of k blocks iff their first k entries
-    are equal; full blocks only; ints in [0, 2**63). Empty: no prefix information."""
+    """The prompt's chained block hashes (`policies.routing.chain`): entry k identifies the
+    prefix of blocks 0..k, so two requests share a cached prefix of k blocks iff their first k
+    entries are equal; full blocks only; ints in [0, 2**63). Empty: no prefix information."""
     block_tokens: int = 0
     """Tokens per block of `block_hashes` (0: no prefix information)."""
     think_s: float | None = None

