@@ -239,6 +239,12 @@ class BackendPool:
         self._by_name = {b.name: b for b in self.backends}
         self._router = router or make_router("least-loaded")
         self._routers: dict[str, Router] = {}
+        self.decisions: dict[tuple[str, str, str], int] = {}
+        """(model, backend, reason) → jobs routed there (`policies.routing.REASONS`)."""
+        self.routed_tokens: dict[tuple[str, str], int] = {}
+        """(model, backend) → prompt tokens of the jobs routed there."""
+        self.cached_tokens: dict[tuple[str, str], int] = {}
+        """(model, backend) → of those, the tokens the router expected cached there."""
         self._law = adaptive.law() if adaptive.enabled else None
         self._memory_path = memory_path
         self._memory: dict[str, Any] = {}
@@ -352,17 +358,32 @@ class BackendPool:
         serve `model`, or None. Only this gateway's own backends (`BackendConfig.owned`, one
         replica's share) while one of them serving `model` is healthy: another replica's would
         be over-admitted. Without a job: the least-loaded one (is there room at all?)."""
-        serving = [b for b in self.backends if model in b.models and b.name not in exclude]
-        mine = [b for b in serving if b.config.owned and b.healthy] or serving
+        mine = self._candidates(model, exclude)
         if job is None:
             open_ = [b for b in mine if b.has_room()]
             return min(open_, key=lambda b: b.inflight / b.cap, default=None)
         chosen = self.router(model).pick(job, [b.state() for b in mine])
         return None if chosen is None else self._by_name[chosen.name]
 
+    def _candidates(self, model: str, exclude: frozenset[str] | set[str]) -> list[Backend]:
+        serving = [b for b in self.backends if model in b.models and b.name not in exclude]
+        return [b for b in serving if b.config.owned and b.healthy] or serving
+
+    def candidate_states(self, model: str, exclude: set[str]) -> list[BackendState]:
+        """What the router of `model` is shown at a decision."""
+        return [b.state() for b in self._candidates(model, exclude)]
+
     def routed(self, model: str, job: Job, b: Backend) -> None:
-        """`job` was sent to `b` (after `pick`): the router records it."""
-        self.router(model).on_route(job, b.state())
+        """`job` was sent to `b` (after `pick`): the router records it, and the decision is
+        counted by its reason, with the prompt tokens expected cached there."""
+        router, state = self.router(model), b.state()
+        candidates = self.candidate_states(model, set()) if router.uses_prefix else ()
+        reason = router.reason(job, state, candidates)
+        router.on_route(job, state)
+        key = (model, b.name)
+        self.decisions[(*key, reason)] = self.decisions.get((*key, reason), 0) + 1
+        self.routed_tokens[key] = self.routed_tokens.get(key, 0) + job.prompt_tokens
+        self.cached_tokens[key] = self.cached_tokens.get(key, 0) + job.cached_tokens
 
     def engine_profile(self, model: str) -> LinearProfile | None:
         """What one request of `model` costs its engines, from the self-tuning caps' fitted

@@ -417,6 +417,38 @@ class _Live(Collector):
             for (model, backend), n in list(d.retries.items()):
                 retries.add_metric((model, backend), n, created=self._since("r", model, backend))
         yield from (inflight, cap, healthy, depth, class_depth, preemptions, retries)
+        yield from self._routing()
+
+    def _routing(self) -> Iterator[Metric]:
+        """Routing decisions by reason, and the prompt tokens routed with those the router
+        expected cached (their rates' ratio: the gateway's predicted prefix-cache hit ratio,
+        to read beside vLLM's own `vllm:prefix_cache_hits`)."""
+        decisions = CounterMetricFamily(
+            "sagesched_routing_decisions", "Requests routed to a backend, by the router's reason "
+            "(affinity: where most of the prefix is expected cached; balance: elsewhere, for "
+            "load; fallback: no backend expected to hold any of it).",
+            labels=("model", "backend", "router", "reason"),
+        )  # fmt: skip
+        routed = CounterMetricFamily(
+            "sagesched_routing_prompt_tokens", "Prompt tokens of the requests routed to a backend.",
+            labels=("model", "backend"),
+        )  # fmt: skip
+        cached = CounterMetricFamily(
+            "sagesched_routing_cached_tokens",
+            "Of those, the prompt tokens the router expected cached on that backend.",
+            labels=("model", "backend"),
+        )  # fmt: skip
+        pool = self.pool
+        if pool is not None:
+            router = pool.routing
+            for (model, backend, reason), n in list(pool.decisions.items()):
+                labels = (model, backend, router, reason)
+                decisions.add_metric(labels, n, created=self._since("d", *labels))
+            for family, counts, tag in ((routed, pool.routed_tokens, "t"),
+                                        (cached, pool.cached_tokens, "c")):  # fmt: skip
+                for (model, backend), n in list(counts.items()):
+                    family.add_metric((model, backend), n, created=self._since(tag, model, backend))
+        yield from (decisions, routed, cached)
 
     def _since(self, *key: str) -> float:
         """When a counter series was first exported (its `_created` sample)."""

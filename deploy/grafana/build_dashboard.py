@@ -198,8 +198,24 @@ def panels() -> list[dict[str, Any]]:
         panel("vLLM preemptions", "The engine's own recompute preemptions (KV pressure).",
               [(f"sum by (instance) (rate(vllm:num_preemptions_total{{{VLLM}}}"
                 "[$__rate_interval]))", "{{instance}}")], "short", (12, 75, 12, 8)),
+        row("Routing", 83),
+        panel("Routing decisions by reason",
+              "Requests routed to each backend. affinity: to the backend expected to hold the "
+              "most of the prompt's prefix; balance: elsewhere, for load; fallback: no backend "
+              "was expected to hold any of it.",
+              [(f"sum by (backend, reason) (rate(sagesched_routing_decisions_total{{{MB}}}"
+                "[$__rate_interval]))", "{{reason}} {{backend}}")], "reqps", (0, 84, 12, 8)),
+        panel("Prefix-cache hit ratio: the router's expectation against vLLM's",
+              "Prompt tokens the router expected cached where it sent them, over the prompt "
+              "tokens it routed; dashed: each vLLM server's own hits over queries. Expectation "
+              "well above vLLM's: the engines evict sooner than the router's index assumes.",
+              [(f"model_backend:sagesched_routing_cached_tokens:ratio_rate1m{{{MB}}}",
+                "expected {{backend}}"),
+               (f"instance_model_name:vllm:prefix_cache_hits:ratio_rate1m{{{VLLM}}}",
+                "vLLM {{instance}}")], "percentunit", (12, 84, 12, 8),
+              overrides=[dashed("vLLM .*")]),
     ]  # fmt: skip
-    out += class_row(83)
+    out += class_row(92)
     for i, p in enumerate(out, start=1):
         p["id"] = i
     return out

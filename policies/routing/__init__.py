@@ -7,7 +7,13 @@ I/O), so the same router object routes in the gateway and in the simulator.
 `policies.routing.catalog`.
 """
 
-from policies.routing.base import BackendState, PrefixLookup, PrefixRouter, Router
+from policies.routing.base import (
+    REASONS,
+    BackendState,
+    PrefixLookup,
+    PrefixRouter,
+    Router,
+)
 from policies.routing.prefix_index import PrefixIndex, PrefixIndexes
 from policies.routing.registry import (
     RouterInfo,
@@ -20,6 +26,7 @@ from policies.routing.registry import (
 )
 
 __all__ = [
+    "REASONS",
     "BackendState",
     "PrefixIndex",
     "PrefixIndexes",

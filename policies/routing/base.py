@@ -8,7 +8,8 @@ what was sent where, a round-robin cursor, a random stream) lives in fields that
 rebuilds, so the configured object is a template and every run works on its own copy.
 
 Calls, in order, for one job: `pick(job, backends)` once per decision → the engine sends the
-job to the backend picked → `on_route(job, backend)` (the router records it: prefix index
+job to the backend picked → (`reason(job, backend, backends)` if it labels decisions) →
+`on_route(job, backend)` (the router records it: prefix index
 insertion, `job.cached_tokens`) → … → `on_finish(job, backend)` when it leaves that backend.
 `on_evict` forwards evictions an engine reports. Sizes are tokens or blocks, no clock, no I/O.
 
@@ -31,6 +32,10 @@ from policies.job import Job
 from policies.routing.prefix_index import PrefixIndexes, capacity_blocks
 
 __all__ = [
+    "AFFINITY",
+    "BALANCE",
+    "FALLBACK",
+    "REASONS",
     "BackendState",
     "PrefixLookup",
     "PrefixRouter",
@@ -117,6 +122,11 @@ class Router(Parametrised, abc.ABC):
     def on_route(self, job: Job, backend: BackendState) -> None:
         """`job` was sent to `backend` (after `pick`, or the engine's own choice)."""
 
+    def reason(self, job: Job, chosen: BackendState, backends: Sequence[BackendState]) -> str:
+        """Why `chosen` (the metrics' label), asked after `pick` and before `on_route`: one of
+        `REASONS`. A router that keeps no view of caches balances load."""
+        return BALANCE
+
     def on_finish(self, job: Job, backend: BackendState) -> None:
         """`job` left `backend` (completed, failed, preempted or cancelled)."""
 
@@ -126,6 +136,13 @@ class Router(Parametrised, abc.ABC):
     def on_engine(self, cost: LinearProfile) -> Self:
         """This router on backends whose per-request cost `cost` describes. Default: unchanged."""
         return self
+
+
+AFFINITY, BALANCE, FALLBACK = "affinity", "balance", "fallback"
+REASONS = (AFFINITY, BALANCE, FALLBACK)
+"""Why a job went where it went: `affinity`, to the backend expected to hold the most of its
+prefix; `balance`, elsewhere, for load; `fallback`, no backend was expected to hold any of
+it (or it has no prefix), so load alone placed it."""
 
 
 def open_backends(backends: Sequence[BackendState]) -> list[BackendState]:
@@ -176,6 +193,13 @@ class PrefixRouter(Router):
         if blocks is None:
             blocks = self._matched[backend.name] = self.match(job.prefix, backend)
         return blocks
+
+    def reason(self, job: Job, chosen: BackendState, backends: Sequence[BackendState]) -> str:
+        mine = self.cached_blocks(job, chosen)
+        best = max((self.cached_blocks(job, b) for b in open_backends(backends)), default=0)
+        if best == 0:
+            return FALLBACK
+        return AFFINITY if mine >= best else BALANCE
 
     def index_size(self, backend: BackendState) -> int:
         """Blocks this router remembers sending to `backend`."""

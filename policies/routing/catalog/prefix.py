@@ -49,8 +49,9 @@ class LlmdPrefix(PrefixRouter):
         for b, q in zip(candidates, queues, strict=True):
             score = self.kv_weight * (1.0 - (b.kv_usage or 0.0))
             score += self.queue_weight * (1.0 if hi == lo else (hi - q) / (hi - lo))
-            if total:
-                score += self.prefix_weight * self.match(prefix, b) / total
+            if total:  # the match of the cut prompt (remembered for on_route and reason)
+                matched = min(self.cached_blocks(job, b), self.max_prefix_blocks)
+                score += self.prefix_weight * matched / total
             key = (score, -b.load)
             if key > best_key:
                 best, best_key = b, key

@@ -8,11 +8,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import wire
 from gateway.backends import BackendPool
 from gateway.cli import build_parser, overrides
 from gateway.config import AdaptiveCapConfig, ConfigError, build, load
+from gateway.metrics import GatewayMetrics
 from gateway.openai_api import parse_call
 from gateway.routing import ID_BLOCK_TOKENS, request_prefix, session_key
 from policies import Job
@@ -114,6 +116,42 @@ async def test_a_conversation_follows_its_cached_prefix(routing: str, sticks: bo
         assert other.cached_tokens == 0
         pool.release(second, "m", turn2)
         assert second.inflight == (1 if sticks else 0)  # the other request still runs
+
+
+async def test_decisions_are_counted_by_reason_with_the_tokens_expected_cached() -> None:
+    async with aiohttp.ClientSession() as session:
+        pool = await _pool(session, "prefix")
+        metrics = GatewayMetrics()
+        metrics.watch(pool, None)  # type: ignore[arg-type]
+        history = "how deep is the sea? " * 40
+        turns = [_job(1, chat(history)), _job(2, chat(history, "and how wide?"))]
+        where = []
+        for job in turns:
+            b = pool.pick("m", job=job)
+            assert b is not None
+            pool.acquire(b)
+            pool.routed("m", job, b)
+            where.append(b.name)
+        short = Job(id=3, arrival_s=0.0, prompt_tokens=5)  # no full block: nothing to match
+        b = pool.pick("m", job=short)  # the idle backend
+        assert b is not None
+        pool.routed("m", short, b)
+        b0, b1 = (x.name for x in pool.backends)
+        assert where == [b0, b0]  # turn 2 follows turn 1 (still running) for its prefix
+        assert pool.decisions == {("m", b0, "fallback"): 1, ("m", b0, "affinity"): 1,
+                                  ("m", b1, "fallback"): 1}  # fmt: skip
+        assert pool.cached_tokens[("m", b0)] == turns[1].cached_tokens > 0
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics.exposition().decode())
+            for s in family.samples
+        }
+        labels = (("backend", b0), ("model", "m"), ("reason", "affinity"), ("router", "prefix"))
+        assert samples[("sagesched_routing_decisions_total", labels)] == 1.0
+        tokens = [
+            v for (n, _), v in samples.items() if n == "sagesched_routing_prompt_tokens_total"
+        ]
+        assert sum(tokens) == 400 + 400 + 5
 
 
 async def test_the_router_sees_the_engines_queue_and_kv_from_the_last_scrape() -> None:
