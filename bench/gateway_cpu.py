@@ -13,7 +13,11 @@ that many times per proxy and prints the range. SageSched's extra is the predict
 embedding per prompt (MiniLM), the neighbour query and learning the true length.
 
 Run: `python bench/gateway_cpu.py [--rates 20,40] [--seconds 8] [--repeat 3]
-[--policies fcfs,sagesched] [--client-core 1]` (about a minute per proxy and repeat). To
+[--policies fcfs,sagesched] [--client-core 1]` (about a minute per proxy and repeat).
+What routing costs: `--routings least-loaded,prefix,sagesched --backends 8 --prompts shared
+--policies fcfs` runs the gateway once per router in front of 8 backend addresses (one
+zero-compute server) and prints each router's CPU per request and what it adds over
+least-loaded (the prompt's chain, the decision over 8 backends, the index update). To
 compare two versions of the gateway, run it from a `git worktree` of each (the gateway process
 imports the code of the current directory).
 """
@@ -30,6 +34,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -64,19 +69,34 @@ def tree_cpu_s(pid: int) -> float:
     return sum(cpu_s(p) for p in tree(pid))
 
 
-async def open_loop(url: str, rate: float, seconds: float) -> int:
-    """Send `rate` × `seconds` requests on schedule (distinct prompts); wait for all."""
+def short_prompt(i: int) -> list[dict[str, str]]:
+    """A distinct one-line question (no full 64-character block: nothing for a prefix index)."""
+    return [{"role": "user", "content": f"Question {i}: tell me about item {i * 7}, please."}]
+
+
+SYSTEMS = 16
+"""Distinct system prompts of `shared_prompt`."""
+
+
+def shared_prompt(i: int) -> list[dict[str, str]]:
+    """One of `SYSTEMS` system prompts of about 1,300 characters (about 20 blocks of 64),
+    then a distinct question: what a prefix router indexes and matches, request after
+    request (agents, RAG templates)."""
+    system = f"You are assistant {i % SYSTEMS}. " + "Answer briefly and cite sources. " * 40
+    return [{"role": "system", "content": system}, *short_prompt(i)]
+
+
+PROMPTS = {"short": short_prompt, "shared": shared_prompt}
+
+
+async def open_loop(
+    url: str, rate: float, seconds: float, prompt: Callable[[int], Any] = short_prompt
+) -> int:
+    """Send `rate` × `seconds` requests on schedule (`prompt(i)`: distinct); wait for all."""
     n = int(rate * seconds)
 
     async def one(s: aiohttp.ClientSession, i: int) -> None:
-        body = {
-            "model": "bench",
-            "max_tokens": 16,
-            "stream": True,
-            "messages": [
-                {"role": "user", "content": f"Question {i}: tell me about item {i * 7}, please."}
-            ],
-        }
+        body = {"model": "bench", "max_tokens": 16, "stream": True, "messages": prompt(i)}
         async with s.post(url + "/v1/chat/completions", json=body) as r:
             await r.read()
             assert r.status == 200
@@ -95,19 +115,23 @@ Proxy = Callable[[], tuple[int, AbstractContextManager[int]]]
 
 
 def measure(
-    start: Proxy, rates: list[float], seconds: float, repeat: int
+    start: Proxy,
+    rates: list[float],
+    seconds: float,
+    repeat: int,
+    prompt: Callable[[int], Any] = short_prompt,
 ) -> dict[float, list[float]]:
     """CPU ms per request of the proxy's process tree, `repeat` times at each rate."""
     out: dict[float, list[float]] = {r: [] for r in rates}
     port, proxy = start()
     with proxy as pid:
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(open_loop(url, rates[0], 2.0))  # warm-up: connections, caches
+        asyncio.run(open_loop(url, rates[0], 2.0, prompt))  # warm-up: connections, caches
         for _ in range(repeat):
             for rate in rates:
                 time.sleep(2.0)  # background work of the previous step settles
                 before = tree_cpu_s(pid)
-                n = asyncio.run(open_loop(url, rate, seconds))
+                n = asyncio.run(open_loop(url, rate, seconds, prompt))
                 time.sleep(2.0)  # the gateway's learning runs after the responses
                 out[rate].append((tree_cpu_s(pid) - before) * 1000 / n)
     return out
@@ -124,13 +148,14 @@ def nginx(backend: int, tmp: str) -> Proxy:
     return start
 
 
-def gateway(backend: int, policy: str) -> Proxy:
+def gateway(backend: int | list[int], policy: str, routing: str | None = None) -> Proxy:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
     def start() -> tuple[int, AbstractContextManager[int]]:
         port = free_port()
         ready = f"http://127.0.0.1:{port}/ready"
-        return port, process(gateway_cmd(backend, port, policy), 0, ready, env)
+        cmd = gateway_cmd(backend, port, policy, routing=routing)
+        return port, process(cmd, 0, ready, env)
 
     return start
 
@@ -157,6 +182,23 @@ def table(got: dict[str, dict[float, list[float]]], rates: list[float]) -> str:
     return "\n".join(lines)
 
 
+def routing_table(got: dict[str, dict[float, list[float]]], rates: list[float]) -> str:
+    """One row per rate: each router's gateway CPU ms/request (range over repeats) and what
+    it adds over `least-loaded` (difference of the medians, µs/request)."""
+    med = {p: {r: sorted(v)[len(v) // 2] for r, v in cells.items()} for p, cells in got.items()}
+    others = [name for name in got if name != "least-loaded"]
+    head = ["rate req/s", "least-loaded CPU ms/request"]
+    head += [h for name in others for h in (f"{name} CPU ms/request", f"{name} − least-loaded µs")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in rates:
+        row = [f"{r:g}", span(got["least-loaded"][r])]
+        for name in others:
+            extra = (med[name][r] - med["least-loaded"][r]) * 1000
+            row += [span(got[name][r]), f"{extra:+.0f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="20,40", help="requests per second, comma-separated")
@@ -164,25 +206,39 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="measurements per rate and proxy")
     ap.add_argument("--policies", default="fcfs,sagesched", help="gateway policies (fcfs first)")
     ap.add_argument("--client-core", type=int, default=1, help="this client's core (-1: any)")
+    ap.add_argument("--routings", help="compare these routers (least-loaded first) behind "
+                    "the first policy instead of nginx and the policies")  # fmt: skip
+    ap.add_argument("--backends", type=int, default=1, help="backend addresses (one server)")
+    ap.add_argument("--prompts", choices=sorted(PROMPTS), default="short",
+                    help="short: distinct one-liners; shared: 16 system prompts of ~1,300 "
+                    "characters, then a distinct question")  # fmt: skip
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",")
-    if "fcfs" not in policies or not shutil.which("nginx"):
+    routings = args.routings.split(",") if args.routings else []
+    if routings and routings[0] != "least-loaded":
+        ap.error("--routings starts with least-loaded (the baseline)")
+    if not routings and ("fcfs" not in policies or not shutil.which("nginx")):
         ap.error("needs nginx (`make system-deps`) and fcfs among --policies")
     if args.client_core >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.client_core})  # beside the backend: core 0 is the proxy's
-    backend = free_port()
+    ports = [free_port() for _ in range(args.backends)]
+    health = f"http://127.0.0.1:{ports[0]}/health"
+    prompt = PROMPTS[args.prompts]
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with (
         tempfile.TemporaryDirectory() as tmp,
-        process([PY, "-c", BACKEND, str(backend)], 1, f"http://127.0.0.1:{backend}/health"),
+        process([PY, "-c", BACKEND, *map(str, ports)], 1, health),
     ):
-        proxies = {"nginx": nginx(backend, tmp)}
-        proxies.update({p: gateway(backend, p) for p in policies})
-        got = {name: measure(start, rates, args.seconds, args.repeat)
+        if routings:
+            proxies = {r: gateway(ports, policies[0], r) for r in routings}
+        else:
+            proxies = {"nginx": nginx(ports[0], tmp)}
+            proxies.update({p: gateway(ports[0], p) for p in policies})
+        got = {name: measure(start, rates, args.seconds, args.repeat, prompt)
                for name, start in proxies.items()}  # fmt: skip
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(table(got, rates))
+    print(routing_table(got, rates) if routings else table(got, rates))
 
 
 if __name__ == "__main__":

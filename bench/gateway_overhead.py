@@ -44,7 +44,7 @@ by default every request repeats one text, as templated traffic would."""
 
 BACKEND = textwrap.dedent(
     """
-    import json, sys
+    import asyncio, json, sys
     from aiohttp import web
 
     def chunk(i):
@@ -75,11 +75,18 @@ BACKEND = textwrap.dedent(
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
 
+    async def serve(ports):
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        for port in ports:  # one server, several addresses: several backends to a gateway
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
-    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+    asyncio.run(serve([int(p) for p in sys.argv[1:]]))
     """
 )
 
@@ -179,14 +186,19 @@ def measure(url: str, seconds: float) -> dict[str, dict[str, float]]:
     return out
 
 
-def gateway_cmd(backend: int, port: int, policy: str, workers: int = 1) -> list[str]:
+def gateway_cmd(
+    backend: int | list[int], port: int, policy: str, workers: int = 1, routing: str | None = None
+) -> list[str]:
+    """`sagesched serve` in front of the backend's port(s), with `--routing` if given."""
+    ports = [backend] if isinstance(backend, int) else backend
+    urls = [arg for p in ports for arg in ("--backend", f"http://127.0.0.1:{p}")]
     return [
         PY,
         "-m",
         "sagesched_cli",
         "serve",
-        "--backend",
-        f"http://127.0.0.1:{backend}",
+        *urls,
+        *(["--routing", routing] if routing else []),
         "--max-inflight",
         "4096",
         "--max-waiting",

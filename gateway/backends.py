@@ -77,7 +77,9 @@ class Backend:
     controller: CapController | None = None
     """The self-tuning cap's state (None: fixed cap)."""
     sample: EngineSample | None = None
-    """What its last `/metrics` scrape read (None: not scraped, or not vLLM)."""
+    """What its last `/metrics` scrape read (None: not scraped, or not vLLM); set through
+    `observed`."""
+    _view: BackendState | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -95,19 +97,26 @@ class Backend:
         return self.healthy and self.inflight < self.cap
 
     def state(self) -> BackendState:
-        """This backend as a router sees it (`policies.routing.BackendState`)."""
-        sample = self.sample or EngineSample()
-        capacity = sample.kv_capacity_tokens
-        return BackendState(
-            name=self.name,
-            inflight=self.inflight,
-            cap=self.cap,
-            serving=self.healthy,
-            waiting=None if sample.waiting is None else int(sample.waiting),
-            kv_usage=sample.kv_usage,
-            kv_blocks=None if not capacity else int(capacity) // KV_BLOCK_TOKENS,
-            block_tokens=KV_BLOCK_TOKENS,
-        )
+        """This backend as a router sees it (`policies.routing.BackendState`): one record,
+        refreshed in place (a decision reads it and keeps nothing)."""
+        view = self._view
+        if view is None:
+            view = self._view = BackendState(self.name, self.inflight, self.cap)
+            self.observed(self.sample)
+        view.inflight, view.cap, view.serving = self.inflight, self.cap, self.healthy
+        return view
+
+    def observed(self, sample: EngineSample | None) -> None:
+        """A scrape read `sample`: the engine's queue and KV the router sees from now on."""
+        self.sample = sample
+        view = self._view
+        if view is None:
+            return
+        capacity = None if sample is None else sample.kv_capacity_tokens
+        view.waiting = None if sample is None or sample.waiting is None else int(sample.waiting)
+        view.kv_usage = None if sample is None else sample.kv_usage
+        view.kv_blocks = None if not capacity else int(capacity) // KV_BLOCK_TOKENS
+        view.block_tokens = KV_BLOCK_TOKENS
 
 
 def curve_view(b: Backend) -> dict[str, Any]:
@@ -239,6 +248,8 @@ class BackendPool:
         self._by_name = {b.name: b for b in self.backends}
         self._router = router or make_router("least-loaded")
         self._routers: dict[str, Router] = {}
+        self._decision: tuple[Job | None, list[BackendState]] = (None, [])
+        """The job of the last `pick` and the states its router saw."""
         self.decisions: dict[tuple[str, str, str], int] = {}
         """(model, backend, reason) → jobs routed there (`policies.routing.REASONS`)."""
         self.routed_tokens: dict[tuple[str, str], int] = {}
@@ -362,7 +373,9 @@ class BackendPool:
         if job is None:
             open_ = [b for b in mine if b.has_room()]
             return min(open_, key=lambda b: b.inflight / b.cap, default=None)
-        chosen = self.router(model).pick(job, [b.state() for b in mine])
+        states = [b.state() for b in mine]
+        chosen = self.router(model).pick(job, states)
+        self._decision = (job, states)
         return None if chosen is None else self._by_name[chosen.name]
 
     def _candidates(self, model: str, exclude: frozenset[str] | set[str]) -> list[Backend]:
@@ -377,7 +390,8 @@ class BackendPool:
         """`job` was sent to `b` (after `pick`): the router records it, and the decision is
         counted by its reason, with the prompt tokens expected cached there."""
         router, state = self.router(model), b.state()
-        candidates = self.candidate_states(model, set()) if router.uses_prefix else ()
+        decided, states = self._decision
+        candidates = states if decided is job else self.candidate_states(model, set())
         reason = router.reason(job, state, candidates)
         router.on_route(job, state)
         key = (model, b.name)
@@ -482,7 +496,7 @@ class BackendPool:
             sample = read_sample(text) if status == 200 else EngineSample()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return b.controller.interval_s  # no reading this time: wait for the next one
-        b.sample = sample
+        b.observed(sample)
         changes = b.controller.changes
         self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight))
         if b.controller.changes != changes:

@@ -137,8 +137,9 @@ class Dispatcher:
         self._slots: dict[int, LocalSlot] = {}
         """Admitted jobs not yet finished, by job id."""
         self.label = policy.label()
-        self._chains = parse_router(config.routing).uses_prefix
-        """The router reads prompts' block chains: each job gets one (`gateway.routing`)."""
+        self._chains = parse_router(config.routing).uses_prefix and len(config.backends) > 1
+        """The router reads prompts' block chains and has a choice to make: each job gets one
+        (`gateway.routing`)."""
         self._admission = Admission(
             self.classes, config.max_waiting, config.retry_after_s, self.waiting
         )

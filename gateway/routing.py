@@ -1,13 +1,13 @@
 """What a prefix router needs from a request: the prompt's block chain and its session.
 
 The gateway never sees the engine's token ids of a text prompt (the backend's tokenizer has
-them), so a text prompt is chained over blocks of its characters, as llm-d's approximate
-prefix scorer does (`policies.routing.chain.chain_text`: 64 characters, taken for 16
+them), so a text prompt is chained over blocks of its text, as llm-d's approximate prefix
+scorer does (`policies.routing.chain.chain_text`: 64 bytes of UTF-8, taken for 16
 tokens). The text is `Call.prompt_text`, rendered the same way every turn (the messages'
 contents in order), so turn k+1 of a conversation, which resends turns 1..k and their
 answers, starts with turn k's blocks. A prompt given as token ids is chained over them in
 vLLM's 16-token blocks; a batch of prompts gets none. The chain is only made when the
-configured router reads prefixes.
+configured router reads prefixes and there is more than one backend to choose from.
 
 A client names a conversation with the `X-SageSched-Session` header (the `session` router's
 key; the others ignore it).

@@ -9,14 +9,15 @@ salted `hash()`), and never negative, so a consumer may use negative numbers as 
 
 Block content is the block's token ids (`chain_tokens`), an opaque per-block id of the trace
 (`chain_ids`, e.g. Mooncake's `hash_ids`, whose equal prefixes mean a shared KV prefix), or,
-where the gateway has no token ids, a block of the prompt's characters (`chain_text`, llm-d's
-approximate mode: `TEXT_BLOCK_CHARS` characters stand for about `TEXT_BLOCK_TOKENS` tokens).
+where the gateway has no token ids, a block of the prompt's text (`chain_text`, as llm-d's
+approximate mode: `TEXT_BLOCK_BYTES` bytes stand for about `TEXT_BLOCK_TOKENS` tokens).
 Standard library only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 from array import array
 from collections.abc import Iterable, Sequence
 
@@ -56,22 +57,30 @@ def chain_tokens(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]
     return tuple(out)
 
 
-TEXT_BLOCK_CHARS = 64
-"""Characters per block of `chain_text` (llm-d's approximate prefix scorer hashes 64)."""
+TEXT_BLOCK_BYTES = 64
+"""Bytes of UTF-8 per block of `chain_text` (llm-d's approximate prefix scorer hashes 64
+characters; bytes are the same for English text and cheaper to cut)."""
 TEXT_BLOCK_TOKENS = 16
-"""Tokens a `TEXT_BLOCK_CHARS`-character block stands for (about four characters a token)."""
+"""Tokens a `TEXT_BLOCK_BYTES`-byte block stands for (about four bytes a token)."""
 
 
-def chain_text(text: str, block_chars: int = TEXT_BLOCK_CHARS) -> tuple[int, ...]:
-    """The chain over the full `block_chars`-character blocks of a prompt's text."""
-    if block_chars < 1:
-        raise ValueError(f"block_chars must be positive, got {block_chars}")
+def chain_text(text: str, block_bytes: int = TEXT_BLOCK_BYTES) -> tuple[int, ...]:
+    """The chain over the full `block_bytes`-byte blocks of a prompt's UTF-8 text.
+
+    On the gateway's request path, so cheaper than `chain`: entry k is CRC-32 and Adler-32
+    run over the whole prefix up to the end of block k (both continue over the stream, so an
+    entry still identifies its whole prefix), packed into 63 bits; about 0.3 µs a block
+    against BLAKE2b's 1.5. Not collision-resistant against a crafted prompt, which could only
+    misplace its own request."""
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    data = text.encode("utf-8", "surrogatepass")
     out: list[int] = []
-    parent = ROOT
-    for k in range(len(text) // block_chars):
-        block = text[k * block_chars : (k + 1) * block_chars]
-        parent = chain(parent, block.encode("utf-8", "surrogatepass"))
-        out.append(parent)
+    crc, adler = 0, 1
+    for end in range(block_bytes, len(data) + 1, block_bytes):
+        block = data[end - block_bytes : end]
+        crc, adler = zlib.crc32(block, crc), zlib.adler32(block, adler)
+        out.append(((crc << 31) ^ adler) & _MASK)
     return tuple(out)
 
 
@@ -87,7 +96,7 @@ def shared_blocks(a: Sequence[int], b: Sequence[int]) -> int:
 
 __all__ = [
     "ROOT",
-    "TEXT_BLOCK_CHARS",
+    "TEXT_BLOCK_BYTES",
     "TEXT_BLOCK_TOKENS",
     "chain",
     "chain_ids",

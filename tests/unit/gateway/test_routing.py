@@ -159,7 +159,7 @@ async def test_the_router_sees_the_engines_queue_and_kv_from_the_last_scrape() -
         pool = await _pool(session, "least-loaded")
         b = pool.backends[0]
         assert b.state().kv_blocks is None and b.state().waiting is None
-        b.sample = EngineSample(waiting=3.0, kv_usage=0.5, kv_capacity_tokens=160_000.0)
+        b.observed(EngineSample(waiting=3.0, kv_usage=0.5, kv_capacity_tokens=160_000.0))
         b.inflight = 2
         state = b.state()
         assert (state.name, state.inflight, state.cap, state.serving) == (b.name, 2, 4, True)

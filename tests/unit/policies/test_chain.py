@@ -66,5 +66,6 @@ def test_text_blocks_share_a_conversations_prefix() -> None:
     assert len(a) == len(turn1) // 16 and len(b) == len(turn2) // 16
     assert shared_blocks(a, b) == len(a)
     assert shared_blocks(a, chain_text("x" + turn1, 16)) == 0  # one character in front
-    assert chain_text("é" * 70) == chain_text("é" * 64)  # one full 64-character block
+    assert chain_text("é" * 70) == chain_text("é" * 64)  # two full 64-byte blocks
+    assert len(chain_text("é" * 64)) == 2 and len(set(chain_text("ab" * 4000))) == 125
     assert chain_text("short") == ()
