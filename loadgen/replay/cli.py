@@ -8,6 +8,7 @@ sagesched compare --target fcfs=http://gw-a:8080 --target sagesched=http://gw-b:
     --source lssp-azure2024 --windows 1 --region KNEE
 sagesched replay --target URL --source capture --path CAPTURE_DIR --windows whole \
     --factor 1 --prompts nearest
+sagesched replay --target URL --sessions sharegpt --num-sessions 20 --session-rate 1
 ```
 """
 
@@ -31,6 +32,7 @@ from loadgen.schema import TraceRequest, Window
 
 if TYPE_CHECKING:
     from loadgen.replay.nearest import NearestPrompts, Vectors
+    from loadgen.replay.sessions import Session, TurnResult
 
     Nearest = tuple[list[Vectors | None], NearestPrompts]
 
@@ -51,6 +53,16 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     load.add_argument("--rate", type=float, help="target mean arrival rate of a window (req/s)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="extra factor on the load")
     p.add_argument("--first", type=int, help="replay only the first N requests of each window")
+    p.add_argument("--sessions", choices=("sharegpt", "mt-bench"),
+                   help="no trace: multi-turn chat sessions of this dataset, each turn resending "
+                   "the history (docs/replay.md)")  # fmt: skip
+    p.add_argument("--num-sessions", type=int, default=20, help="with --sessions")
+    p.add_argument("--session-rate", type=float, default=1.0,
+                   help="with --sessions: sessions started per second (Poisson)")  # fmt: skip
+    p.add_argument("--think-median", type=float, default=5.0,
+                   help="with --sessions: median think time between turns (s)")  # fmt: skip
+    p.add_argument("--think-max", type=float, default=60.0, help="cap on one think time (s)")
+    p.add_argument("--max-turns", type=int, help="with --sessions: turns per session at most")
     p.add_argument("--dataset", help="no trace: prompts from 'sample' or a JSONL path")
     p.add_argument("--num-prompts", type=int, default=200, help="with --dataset")
     p.add_argument("--request-rate", type=float, default=10.0, help="with --dataset (req/s)")
@@ -186,8 +198,70 @@ def _replay_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def session_workload(args: argparse.Namespace) -> list[Session]:
+    """The `--sessions` workload (`loadgen.replay.sessions`)."""
+    from loadgen.replay.sessions import build_sessions
+    from loadgen.traces.sessions import ThinkTime
+
+    think = ThinkTime(median_s=args.think_median, sigma=1.67, max_s=args.think_max)
+    return build_sessions(args.sessions, args.num_sessions, args.session_rate, think=think,
+                          max_turns=args.max_turns, max_output=args.max_output,
+                          seed=args.seed)  # fmt: skip
+
+
+def run_sessions(
+    url: str, model: str, sessions: Sequence[Session], *, timeout_s: float = 600.0,
+    progress: bool = True, desc: str = "sessions",
+) -> list[TurnResult]:  # fmt: skip
+    """Replay `sessions` against `url` in a fresh event loop, with a progress bar."""
+    from loadgen.replay.sessions import replay_sessions
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(s.turns) for s in sessions), desc=desc, unit="turn",
+                   file=sys.stderr)  # fmt: skip
+    try:
+        on_done = None if bar is None else (lambda _r: bar.update(1))
+        return _run_loop(replay_sessions(url, model, sessions, timeout_s=timeout_s,
+                                         on_done=on_done))  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _sessions_main(args: argparse.Namespace, model: str, slos: dict[str, float]) -> int:
+    from loadgen.replay.sessions import by_turn, turn_table
+
+    sessions = session_workload(args)
+    label = f"sessions-{args.sessions}x{len(sessions)}@{args.session_rate:g}/s"
+    turns = run_sessions(args.target, model, sessions, timeout_s=args.timeout,
+                         progress=not args.no_progress, desc=label)  # fmt: skip
+    results = [t.result for t in turns]
+    if args.out:
+        write_jsonl(args.out, label, args.target, results)
+    summary, errors, per_turn = summarize_replay(results, slos), failures(results), by_turn(turns)
+    if args.json:
+        print(json.dumps({label: {"summary": _clean(summary), "failures": errors,
+                                  "by_turn": {k: _clean(v) for k, v in per_turn.items()}}},
+                         indent=1))  # fmt: skip
+    else:
+        print(table(summary, errors, title=label))
+        print(turn_table(per_turn))
+    return 1 if errors else 0
+
+
 def main(argv: list[str], prog: str = "sagesched replay") -> int:
     args = _replay_parser(prog).parse_args(argv)
+    if args.sessions:
+        try:
+            slos = parse_slos(args.slo)
+            model = args.model or served_model(args.target)
+            return _sessions_main(args, model, slos)
+        except (ValueError, OSError, KeyError) as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
     try:
         slos = parse_slos(args.slo)
         model = args.model or served_model(args.target)

@@ -5,8 +5,9 @@ Every send is scheduled from the workload's arrival times on the monotonic clock
 earlier requests, so a slow server cannot hold back arrivals (no coordinated omission). Each
 request records its scheduled and actual send time (schedule lag), first-token time, every
 inter-token gap, last-token time, output tokens, and its status or error. Requests go to
-`/v1/completions` with `max_tokens` = the recorded output length and `ignore_eos`, so the
-server produces exactly the trace's output.
+`/v1/completions` (a session's turns: `/v1/chat/completions`, `loadgen.replay.sessions`) with
+`max_tokens` = the recorded output length and `ignore_eos`, so the server produces exactly
+the trace's output.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class ReplayRequest:
     """Absolute deadline for the last token on the replay's clock, if an SLO applies."""
     priority: int | None = None
     """vLLM `priority` to send (lower first; needs `--scheduling-policy priority`), if any."""
+    messages: tuple[dict[str, str], ...] | None = None
+    """A chat request (`/v1/chat/completions`) instead of `prompt` (a session's turn)."""
+    headers: dict[str, str] | None = None
+    """Extra request headers (a session's key)."""
 
 
 @dataclass(slots=True)
@@ -146,7 +151,7 @@ def _limits(concurrency: int) -> Any:
     return http_lib.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
 
-async def _one(
+async def send(
     client: openai.AsyncOpenAI,
     model: str,
     req: ReplayRequest,
@@ -154,22 +159,25 @@ async def _one(
     t0: float,
     on_done: Callable[[ReplayResult], None] | None,
 ) -> None:
+    """Send one request now and record what happened into `res` (never raises but for
+    cancellation); `t0` is the replay's start on `time.perf_counter`."""
     now = time.perf_counter
     res.sent_s = now() - t0
     last: float | None = None
+    extra: dict[str, Any] = {"ignore_eos": True}
+    if req.priority is not None:
+        extra["priority"] = req.priority
+    common: dict[str, Any] = {"model": model, "max_tokens": req.output_tokens, "stream": True,
+                              "stream_options": {"include_usage": True}, "extra_body": extra,
+                              "extra_headers": req.headers}  # fmt: skip
     try:
-        stream = await client.completions.create(
-            model=model,
-            prompt=req.prompt,
-            max_tokens=req.output_tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True}
-            if req.priority is None
-            else {"ignore_eos": True, "priority": req.priority},
-        )
+        if req.messages is None:
+            stream: Any = await client.completions.create(prompt=req.prompt, **common)
+        else:
+            messages: Any = req.messages
+            stream = await client.chat.completions.create(messages=messages, **common)
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
+            if chunk.choices and _text(chunk.choices[0]):
                 t = now() - t0
                 if last is None:
                     res.first_token_s = t
@@ -190,6 +198,12 @@ async def _one(
     finally:
         if on_done is not None:
             on_done(res)
+
+
+def _text(choice: Any) -> str | None:
+    """The text a streamed choice carries (completions: `text`; chat: `delta.content`)."""
+    delta = getattr(choice, "delta", None)
+    return delta.content if delta is not None else choice.text  # type: ignore[no-any-return]
 
 
 async def _until(target: float) -> None:
@@ -227,7 +241,7 @@ async def replay(
             for i in order:
                 await _until(t0 + requests[i].arrival_s)
                 tasks.append(
-                    asyncio.create_task(_one(client, model, requests[i], results[i], t0, on_done))
+                    asyncio.create_task(send(client, model, requests[i], results[i], t0, on_done))
                 )
             await asyncio.gather(*tasks)
         finally:
