@@ -194,12 +194,14 @@ class RealVllm:
         executor: str = "uni",
         cpus: Collection[int] | None = None,
         isa: str = "native",
+        dev_mode: bool = False,
     ) -> None:
+        """`dev_mode`: vLLM's development endpoints (`POST /reset_prefix_cache`, ...)."""
         if executor not in ("uni", "mp"):
             raise ValueError(f"executor must be 'uni' or 'mp', not {executor!r}")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
-        self.executor, self.isa = executor, isa
+        self.executor, self.isa, self.dev_mode = executor, isa, dev_mode
         self.cpus = sorted(cpus) if cpus else None
         self.priority = priority
         self.port = port or free_port()
@@ -232,6 +234,8 @@ class RealVllm:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "VLLM_ENABLE_V1_MULTIPROCESSING": in_process}  # fmt: skip
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         cpus = self.cpus
         if cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))

@@ -63,6 +63,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="with --sessions: median think time between turns (s)")  # fmt: skip
     p.add_argument("--think-max", type=float, default=60.0, help="cap on one think time (s)")
     p.add_argument("--max-turns", type=int, help="with --sessions: turns per session at most")
+    p.add_argument("--min-turns", type=int, default=1,
+                   help="with --sessions: skip conversations with fewer turns")  # fmt: skip
     p.add_argument("--dataset", help="no trace: prompts from 'sample' or a JSONL path")
     p.add_argument("--num-prompts", type=int, default=200, help="with --dataset")
     p.add_argument("--request-rate", type=float, default=10.0, help="with --dataset (req/s)")
@@ -205,8 +207,8 @@ def session_workload(args: argparse.Namespace) -> list[Session]:
 
     think = ThinkTime(median_s=args.think_median, sigma=1.67, max_s=args.think_max)
     return build_sessions(args.sessions, args.num_sessions, args.session_rate, think=think,
-                          max_turns=args.max_turns, max_output=args.max_output,
-                          seed=args.seed)  # fmt: skip
+                          max_turns=args.max_turns, min_turns=args.min_turns,
+                          max_output=args.max_output, seed=args.seed)  # fmt: skip
 
 
 def run_sessions(

@@ -64,13 +64,15 @@ def build_sessions(
     *,
     think: ThinkTime = DEFAULT_THINK,
     max_turns: int | None = None,
+    min_turns: int = 1,
     max_output: int | None = None,
     max_context_tokens: int = 1_536,
     seed: int = 0,
 ) -> list[Session]:
     """`n_sessions` conversations of `dataset`, drawn without replacement (seeded), each cut
     before the first turn whose history + answer would pass `max_context_tokens` (the
-    tokenizer's count; the tiny test model serves 2,048) or after `max_turns`."""
+    tokenizer's count; the tiny test model serves 2,048) or after `max_turns`; those left
+    with fewer than `min_turns` turns are skipped."""
     if n_sessions < 1 or session_rate <= 0:
         raise ValueError("--num-sessions and --session-rate must be positive")
     convs = conversations(dataset)
@@ -82,7 +84,7 @@ def build_sessions(
         if len(out) == n_sessions:
             break
         turns = _turns(convs[int(pick)][:max_turns], max_output, max_context_tokens)
-        if not turns:
+        if len(turns) < max(1, min_turns):
             continue
         key = f"{dataset}-{seed}-{len(out)}"
         thinks = (0.0, *(float(t) for t in think.sample(rng, len(turns) - 1)))

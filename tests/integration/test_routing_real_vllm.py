@@ -1,0 +1,99 @@
+"""Prefix routing proved on real vLLM servers, by their own counters (slow).
+
+Two vLLM CPU servers with prefix caching (each pinned to its own CPU, each with a KV cache of
+`KV_BLOCKS` 128-token blocks), the gateway in front, and real multi-turn ShareGPT
+conversations replayed through the `openai` client (`loadgen.replay.sessions`: every turn
+resends the history). The KV per server is below what the concurrent sessions' histories
+need together but above half of it: the regime where placement decides the hits. A prefix
+router keeps each conversation on one server, so each server holds half the histories and
+keeps them; least-loaded placement sends every conversation to both, each server's cache
+must hold all of them, and its LRU evicts what the next turn needs. (With a cache larger
+than everything, a turn least-loaded sends to the other server of two still finds its
+earlier turns there half the time, and no router can read more than about twice its hits.)
+
+Asserted from the engines' counters (`vllm:prefix_cache_hits` over
+`vllm:prefix_cache_queries`, deltas per run), not from times, so a busy machine cannot flip
+it: the hit ratio with `prefix` and with the default `sagesched` router is at least twice
+least-loaded's. Each router replays the same conversations after both caches are reset
+(`POST /reset_prefix_cache`, vLLM's development endpoint). The figures go to
+`.cache/routing-real-vllm.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from fixtures.gateway_fixtures import StartGateway
+
+from loadgen.replay.sessions import build_sessions, replay_sessions
+from loadgen.traces.sessions import ThinkTime
+from loadgen.vllm_real import CACHE, RealVllm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+KV_BLOCKS = 64
+"""Per server: 8,192 tokens (the CPU build's blocks are 128 tokens)."""
+SESSIONS = 12
+ROUTERS = ("least-loaded", "prefix", "sagesched")
+
+
+@pytest.fixture(scope="module")
+def two_servers() -> Iterator[tuple[RealVllm, RealVllm]]:
+    args = ("--num-gpu-blocks-override", str(KV_BLOCKS), "--enable-prefix-caching")
+    with (
+        RealVllm(cpus={0}, extra_args=args, dev_mode=True,
+                 log_path=CACHE / "vllm-routing-0.log") as a,
+        RealVllm(cpus={1}, extra_args=args, dev_mode=True,
+                 log_path=CACHE / "vllm-routing-1.log") as b,
+    ):  # fmt: skip
+        yield a, b
+
+
+def _counters(url: str) -> tuple[float, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$",
+                                                text, re.M))  # fmt: skip
+
+    return total("prefix_cache_queries"), total("prefix_cache_hits")
+
+
+def _reset(url: str) -> None:
+    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert json.loads(r.read())["success"] is True
+
+
+async def _hit_ratio(servers: tuple[RealVllm, RealVllm], start_gateway: StartGateway,
+                     routing: str) -> dict[str, float]:  # fmt: skip
+    for s in servers:
+        _reset(s.url)
+    before = [_counters(s.url) for s in servers]
+    gw = await start_gateway([{"url": s.url, "max_inflight": 4} for s in servers],
+                             policy="fcfs", routing=routing)  # fmt: skip
+    sessions = build_sessions("sharegpt", SESSIONS, 2.0, min_turns=3, max_turns=4,
+                              max_output=8, think=ThinkTime(0.5, 1.0, 2.0), seed=7)  # fmt: skip
+    turns = await replay_sessions(gw.url, servers[0].name, sessions, timeout_s=300)
+    await gw.stop()
+    assert all(t.result.ok for t in turns), [t.result.error for t in turns if not t.result.ok]
+    after = [_counters(s.url) for s in servers]
+    queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    return {"turns": len(turns), "queries": queries, "hits": hits, "ratio": hits / queries}
+
+
+async def test_prefix_routing_doubles_the_engines_hit_ratio(
+    two_servers: tuple[RealVllm, RealVllm], start_gateway: StartGateway
+) -> None:
+    got = {r: await _hit_ratio(two_servers, start_gateway, r) for r in ROUTERS}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (CACHE / "routing-real-vllm.json").write_text(json.dumps(got, indent=1) + "\n")
+    print(json.dumps(got))
+    base = got["least-loaded"]["ratio"]
+    for routing in ("prefix", "sagesched"):
+        assert got[routing]["ratio"] >= 2 * base, got
