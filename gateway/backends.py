@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 
 from gateway.config import AdaptiveCapConfig, BackendConfig
+from gateway.kv_events import ExactLookup, KvEventStream
 from policies import Job
 from policies.capacity import CapController, EngineSample, combine_kv
 from policies.cost import LinearProfile
@@ -79,6 +80,8 @@ class Backend:
     sample: EngineSample | None = None
     """What its last `/metrics` scrape read (None: not scraped, or not vLLM); set through
     `observed`."""
+    events: KvEventStream | None = None
+    """Its KV-event subscription (`BackendConfig.kv_events`), if it publishes them."""
     _view: BackendState | None = field(default=None, repr=False)
 
     @property
@@ -105,6 +108,22 @@ class Backend:
             self.observed(self.sample)
         view.inflight, view.cap, view.serving = self.inflight, self.cap, self.healthy
         return view
+
+    def lookup(self, chain: tuple[int, ...] | None, job_block: int) -> ExactLookup | None:
+        """What the engine reports it caches, for a job whose token chain is `chain`: None
+        unless its events are exact and the chain is in the engine's block size."""
+        events = self.events
+        if chain is None or events is None or not events.exact:
+            return None
+        return ExactLookup(events.cache, chain, job_block)
+
+    def engine_blocks(self) -> int | None:
+        """The engine's KV capacity in its own blocks (the events' block size), if known."""
+        sample, events = self.sample, self.events
+        if sample is None or not sample.kv_capacity_tokens or events is None:
+            return None
+        size = events.cache.block_size
+        return int(sample.kv_capacity_tokens) // size if size else None
 
     def observed(self, sample: EngineSample | None) -> None:
         """A scrape read `sample`: the engine's queue and KV the router sees from now on."""
@@ -246,6 +265,10 @@ class BackendPool:
             Backend(c, cap=c.max_inflight, models=frozenset(c.models)) for c in configs
         ]
         self._by_name = {b.name: b for b in self.backends}
+        for b in self.backends:
+            if b.config.kv_events:
+                b.events = KvEventStream(b.name, b.config.kv_events, b.config.kv_events_topic,
+                                         capacity=b.engine_blocks)  # fmt: skip
         self._router = router or make_router("least-loaded")
         self._routers: dict[str, Router] = {}
         self._decision: tuple[Job | None, list[BackendState]] = (None, [])
@@ -256,6 +279,8 @@ class BackendPool:
         """(model, backend) → prompt tokens of the jobs routed there."""
         self.cached_tokens: dict[tuple[str, str], int] = {}
         """(model, backend) → of those, the tokens the router expected cached there."""
+        self.exact_decisions: dict[str, int] = {}
+        """model → decisions that matched the prompt against an engine's own KV events."""
         self._law = adaptive.law() if adaptive.enabled else None
         self._memory_path = memory_path
         self._memory: dict[str, Any] = {}
@@ -283,6 +308,9 @@ class BackendPool:
         """Check every backend once, start each self-tuning cap from its remembered curve
         (if any), then keep checking in the background."""
         await asyncio.gather(*(self.check(b) for b in self.backends))
+        for b in self.backends:
+            if b.events is not None:
+                b.events.start()
         self._memory = load_memory(self._memory_path)
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health-loop"))
         for b in self.backends:
@@ -305,6 +333,9 @@ class BackendPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        for b in self.backends:
+            if b.events is not None:
+                await b.events.stop()
         self.remember()
 
     def remember(self) -> None:
@@ -373,7 +404,15 @@ class BackendPool:
         if job is None:
             open_ = [b for b in mine if b.has_room()]
             return min(open_, key=lambda b: b.inflight / b.cap, default=None)
-        states = [b.state() for b in mine]
+        chain = getattr(job.ctx, "token_chain", None)  # tokenized: exact where events are
+        states, exact = [], False
+        for b in mine:
+            state = b.state()
+            state.index = b.lookup(chain, job.block_tokens)
+            exact = exact or state.index is not None
+            states.append(state)
+        if exact:
+            self.exact_decisions[model] = self.exact_decisions.get(model, 0) + 1
         chosen = self.router(model).pick(job, states)
         self._decision = (job, states)
         return None if chosen is None else self._by_name[chosen.name]
@@ -398,6 +437,15 @@ class BackendPool:
         self.decisions[(*key, reason)] = self.decisions.get((*key, reason), 0) + 1
         self.routed_tokens[key] = self.routed_tokens.get(key, 0) + job.prompt_tokens
         self.cached_tokens[key] = self.cached_tokens.get(key, 0) + job.cached_tokens
+
+    def event_block_size(self, model: str) -> int | None:
+        """The block size of a backend of `model` whose KV events are exact (a prompt's token
+        chain is made in it), or None."""
+        for b in self.backends:
+            events = b.events
+            if events is not None and events.exact and model in b.models:
+                return events.cache.block_size
+        return None
 
     def engine_profile(self, model: str) -> LinearProfile | None:
         """What one request of `model` costs its engines, from the self-tuning caps' fitted

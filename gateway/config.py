@@ -46,6 +46,12 @@ class BackendConfig:
     owned: bool = True
     """This gateway admits requests here (else only while none of its own backends serving the
     model is healthy). With `replicas` the pipeline keeps it only on this replica's share."""
+    kv_events: str | None = None
+    """The ZMQ endpoint where the backend publishes vLLM's KV-cache events (its
+    `--kv-events-config` endpoint, e.g. `tcp://10.0.0.5:5557`): prefix routers then match
+    prompts against what it really caches (`gateway.kv_events`)."""
+    kv_events_topic: str = ""
+    """The topic it publishes them under (`--kv-events-config` `topic`)."""
 
 
 @dataclass(frozen=True)
@@ -414,6 +420,8 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"backend url {b.url!r} must start with http:// or https://")
         if b.max_inflight < 1:
             raise ConfigError(f"backends[{b.name}].max_inflight must be >= 1")
+        if b.kv_events is not None and not b.kv_events.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"backends[{b.name}].kv_events must be a tcp:// or ipc:// address")
     if config.admin_listen is not None:
         host, _, port = config.admin_listen.rpartition(":")
         if not host or not port.isdigit() or int(port) == config.port:

@@ -51,6 +51,9 @@ class Ticket:
     """The prompt's embedding once the predictor made it; learning the true length reuses it."""
     refining: asyncio.Task[None] | None = None
     """The prediction running beside the request (a job that could start at once)."""
+    token_chain: tuple[int, ...] | None = None
+    """The prompt's chain over its token ids in the block size of engines that publish KV
+    events (`gateway.prompts`, `gateway.kv_events`), once the backend's tokenizer counted it."""
 
 
 class LocalSlot:

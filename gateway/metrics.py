@@ -438,7 +438,36 @@ class _Live(Collector):
             "Of those, the prompt tokens the router expected cached on that backend.",
             labels=("model", "backend"),
         )  # fmt: skip
+        exact = GaugeMetricFamily(
+            "sagesched_backend_kv_events_exact",
+            "1 while the backend's KV-cache events are complete and current (prefix routers "
+            "match what it caches); 0: they were lost or lag, routing is approximate.",
+            labels=("backend",),
+        )  # fmt: skip
+        events = CounterMetricFamily(
+            "sagesched_backend_kv_events", "KV-cache events applied, per backend.",
+            labels=("backend",),
+        )  # fmt: skip
+        gaps = CounterMetricFamily(
+            "sagesched_backend_kv_event_gaps", "Gaps in a backend's KV-event sequence (lost).",
+            labels=("backend",),
+        )  # fmt: skip
         pool = self.pool
+        for b in pool.backends if pool is not None else ():
+            stream = b.events
+            if stream is not None:
+                exact.add_metric((b.name,), 1 if stream.exact else 0)
+                events.add_metric((b.name,), stream.events, created=self._since("e", b.name))
+                gaps.add_metric((b.name,), stream.gaps, created=self._since("g", b.name))
+        exact_decisions = CounterMetricFamily(
+            "sagesched_routing_exact_decisions",
+            "Routing decisions that matched the prompt's tokens against a backend's own KV "
+            "events (the others used the router's approximate index).",
+            labels=("model",),
+        )  # fmt: skip
+        for model, n in list(pool.exact_decisions.items()) if pool is not None else ():
+            exact_decisions.add_metric((model,), n, created=self._since("x", model))
+        yield from (exact, events, gaps, exact_decisions)
         if pool is not None:
             router = pool.routing
             for (model, backend, reason), n in list(pool.decisions.items()):

@@ -135,7 +135,8 @@ class Prediction:
             return None
 
         async def count() -> None:
-            job.prompt_tokens, job.ctx.trace.prompt_count_source = await counter.count(call)
+            n, job.ctx.trace.prompt_count_source, job.ctx.token_chain = await counter.count(call)
+            job.prompt_tokens = n
             self._dispatcher.resized(job)
 
         return asyncio.create_task(count())

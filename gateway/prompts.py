@@ -32,6 +32,7 @@ import aiohttp
 from gateway.backends import Backend, BackendPool
 from gateway.config import TokenizerSettings
 from gateway.openai_api import Call
+from policies.routing.chain import chain_tokens
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +75,22 @@ class PromptCounter:
         self._pool = pool
         self._session = session
         self._settings = settings
-        self._caches: dict[str, OrderedDict[bytes, int]] = {}
+        self._caches: dict[str, OrderedDict[bytes, tuple[int, tuple[int, ...] | None]]] = {}
         self._skip_until: dict[str, float] = {}
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
 
-    async def count(self, call: Call) -> tuple[int, str]:
-        """(prompt tokens, source). Never raises (but lets cancellation through) and returns
-        within about `timeout_s`."""
-        estimate = call.prompt_tokens_estimate, ESTIMATE
+    async def count(self, call: Call) -> tuple[int, str, tuple[int, ...] | None]:
+        """(prompt tokens, source, the prompt's token chain). The chain (this project's chain
+        over the token ids, in the block size of the model's engines that publish KV events,
+        `gateway.kv_events`) is there only when such an engine exists and one prompt was
+        tokenized. Never raises (but lets cancellation through) and returns within about
+        `timeout_s`."""
+        estimate = call.prompt_tokens_estimate, ESTIMATE, None
         requests = tokenize_requests(call)
         backend = self._pick(call.model)
         if requests is None or backend is None:
             return estimate
+        block = self._pool.event_block_size(call.model) if len(requests) == 1 else None
         cache = self._caches.setdefault(backend.name, OrderedDict())
         keys = [_key(r) for r in requests]
         missing = [(k, r) for k, r in zip(keys, requests, strict=True) if k not in cache]
@@ -101,15 +106,17 @@ class PromptCounter:
                 return estimate
             except (aiohttp.ClientError, ValueError, KeyError, TypeError):
                 return estimate  # a body the tokenizer refused, a connection lost: estimate
-            for (key, _), n in zip(missing, counts, strict=True):
-                cache[key] = n
-        total = 0
+            for (key, _), (n, ids) in zip(missing, counts, strict=True):
+                chain = chain_tokens(ids, block) if block and ids is not None else None
+                cache[key] = n, chain
+        total, chain = 0, None
         for key in keys:
             cache.move_to_end(key)
-            total += cache[key]
+            n, chain = cache[key]
+            total += n
         while len(cache) > self._settings.cache_entries:
             cache.popitem(last=False)
-        return total, TOKENIZER if missing else CACHE
+        return total, TOKENIZER if missing else CACHE, chain if block else None
 
     def _pick(self, model: str) -> Backend | None:
         """The least-loaded healthy backend of `model` that is not being skipped."""
@@ -130,7 +137,10 @@ class PromptCounter:
         )
         self._skip_until[backend.name] = time.monotonic() + self._settings.retry_after_s
 
-    async def _tokenize(self, backend: Backend, request: dict[str, Any]) -> int:
+    async def _tokenize(
+        self, backend: Backend, request: dict[str, Any]
+    ) -> tuple[int, list[int] | None]:
+        """(count, token ids if the answer lists them)."""
         async with self._session.post(
             backend.url + "/tokenize",
             json=request,
@@ -141,7 +151,9 @@ class PromptCounter:
                 raise _Unavailable(f"/tokenize answered {resp.status}")
             if resp.status != 200:
                 raise ValueError(f"/tokenize answered {resp.status}")
-            return int((await resp.json())["count"])
+            data = await resp.json()
+            tokens = data.get("tokens")
+            return int(data["count"]), tokens if isinstance(tokens, list) else None
 
 
 class _Unavailable(Exception):

@@ -37,6 +37,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=d.prefix_caching, help="automatic prefix caching (vLLM V1's default: on)",
     )  # fmt: skip
+    ap.add_argument("--kv-events-config", metavar="JSON",
+                    help="publish KV-cache events as vLLM does, e.g. "
+                    '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                    '"endpoint": "tcp://*:5557"}\'')  # fmt: skip
     return ap
 
 
@@ -54,6 +58,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_tokens=args.kv_tokens,
         block_size=args.block_size,
         prefix_caching=args.enable_prefix_caching,
+        kv_events=args.kv_events_config,
     )
 
 

@@ -23,7 +23,8 @@ from typing import Any
 from aiohttp import web
 
 from loadgen.emulator import protocol, responses
-from loadgen.emulator.engine_loop import EmuRequest, EngineLoop
+from loadgen.emulator.engine_loop import EmuRequest, EngineLoop, LoopStats
+from loadgen.emulator.kv_events import KvEventPublisher, KvEventsConfig
 from loadgen.emulator.metrics import EmulatorMetrics
 from loadgen.engine.configs import EngineConfig, engine_config
 from loadgen.engine.profiles import LatencyProfile, make_profile
@@ -60,6 +61,9 @@ class EmulatorConfig:
     """KV block size in tokens (vLLM `--block-size`; the prefix cache hashes prompts in it)."""
     prefix_caching: bool = True
     """Automatic prefix caching (vLLM `--enable-prefix-caching`, on by default in V1)."""
+    kv_events: str | None = None
+    """vLLM's `--kv-events-config` JSON: publish the prefix cache's stores and evictions on
+    ZMQ in vLLM's format (`loadgen.emulator.kv_events`)."""
 
     def engine_config(self) -> EngineConfig:
         cfg = engine_config(self.engine).with_(
@@ -80,6 +84,7 @@ class AppState:
     config: EmulatorConfig
     loop: EngineLoop
     metrics: EmulatorMetrics
+    events: KvEventPublisher | None = None
 
 
 STATE = web.AppKey("emulator_state", AppState)
@@ -111,19 +116,30 @@ def _lifecycle(config: EmulatorConfig, profile: LatencyProfile) -> Any:
             gap = now_w - req.last_token_w if req.last_token_w is not None else None
             metrics.on_tokens(n, first, gap)
 
+        events = _publisher(config)
+
+        def on_iteration(st: LoopStats) -> None:
+            metrics.on_stats(st)
+            if events is not None:
+                events.flush()
+
         loop = EngineLoop(
             config.engine_config(),
             profile,
             time_scale=config.time_scale,
             on_tokens=on_tokens,
-            on_iteration=metrics.on_stats,
+            on_iteration=on_iteration,
         )
-        app[STATE] = AppState(config, loop, metrics)
+        if events is not None and loop.engine.cache is not None:
+            loop.engine.cache.listener = events.note
+        app[STATE] = AppState(config, loop, metrics, events)
         await loop.start()
         try:
             yield
         finally:
             await loop.stop()
+            if events is not None:
+                events.close()
 
     return ctx
 
@@ -182,11 +198,25 @@ async def _body(request: web.Request) -> Any:
         raise protocol.ProtocolError("request body is not valid JSON") from None
 
 
-def _hashes(cfg: EmulatorConfig, answer: protocol.Answer) -> tuple[int, ...]:
-    """The answer's prompt block-hash chain in the emulator's block size (caching off: none)."""
+def _publisher(config: EmulatorConfig) -> KvEventPublisher | None:
+    """The KV-event publisher `config.kv_events` asks for, if any."""
+    if config.kv_events is None or not config.prefix_caching:
+        return None
+    events = KvEventsConfig.parse(config.kv_events)
+    return KvEventPublisher(events, config.block_size) if events.publishes else None
+
+
+def _hashes(state: AppState, answer: protocol.Answer) -> tuple[int, ...]:
+    """The answer's prompt block-hash chain in the emulator's block size (caching off: none);
+    the KV-event publisher learns the blocks' token ids."""
+    cfg = state.config
     if not cfg.prefix_caching or answer.prompt is None:
         return ()
-    return chain_tokens(protocol.prompt_ids(answer.prompt), cfg.block_size)
+    ids = protocol.prompt_ids(answer.prompt)
+    chain = chain_tokens(ids, cfg.block_size)
+    if state.events is not None:
+        state.events.learn(chain, ids)
+    return chain
 
 
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
@@ -204,7 +234,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     event = asyncio.Event()  # one for all the response's sequences
     reqs = [
         state.loop.submit(
-            a.prompt_tokens, a.output_tokens, p.priority, event=event, hashes=_hashes(cfg, a)
+            a.prompt_tokens, a.output_tokens, p.priority, event=event, hashes=_hashes(state, a)
         )
         for a in p.answers
     ]
@@ -297,7 +327,7 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     answer, event = p.answers[0], asyncio.Event()
     req = state.loop.submit(
         answer.prompt_tokens, answer.output_tokens, p.priority, event=event,
-        hashes=_hashes(cfg, answer),
+        hashes=_hashes(state, answer),
     )  # fmt: skip
     rid, msg_id = responses.ids()
     created = protocol.now_created()

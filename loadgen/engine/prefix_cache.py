@@ -32,6 +32,7 @@ Per entry, never per token; not thread-safe.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class PrefixCache:
         """Of those, tokens found cached (vLLM `prefix_cache_hits`)."""
         self.evictions = 0
         """Cached prompt entries evicted to make room."""
+        self.listener: Callable[[bool, int], None] | None = None
+        """Told of every entry cached (True, hash) and evicted (False, hash), as vLLM's KV
+        events report them (the emulator publishes them)."""
 
     def entry_blocks(self, seq: Seq) -> int:
         """Engine blocks per cache entry of `seq` (0 when it carries no hashes)."""
@@ -124,6 +128,8 @@ class PrefixCache:
             if key >= 0:
                 del self.refs[key]
                 self.evictions += 1
+                if self.listener is not None:
+                    self.listener(False, key)
 
     def release(self, seq: Seq) -> int:
         """`seq` gives back all its blocks; returns how many became free."""
@@ -161,6 +167,8 @@ class PrefixCache:
             ref = refs.get(h)
             if ref is None:
                 refs[h] = 1  # the sequence's own blocks become the entry
+                if self.listener is not None:
+                    self.listener(True, h)
                 continue
             if ref == 0:  # a free copy exists: hold it instead (its blocks stop being free)
                 del self.lru[h]

@@ -195,8 +195,9 @@ class PrefixRouter(Router):
         return blocks
 
     def reason(self, job: Job, chosen: BackendState, backends: Sequence[BackendState]) -> str:
-        mine = self.cached_blocks(job, chosen)
-        best = max((self.cached_blocks(job, b) for b in open_backends(backends)), default=0)
+        mine = self.cached_blocks(job, chosen)  # (full ones count: a full backend is load)
+        others = (self.cached_blocks(job, b) for b in backends if b.serving and b is not chosen)
+        best = max(mine, max(others, default=0))
         if best == 0:
             return FALLBACK
         return AFFINITY if mine >= best else BALANCE

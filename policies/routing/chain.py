@@ -43,14 +43,16 @@ def chain_ids(block_ids: Iterable[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def chain_tokens(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]:
-    """The chain over the full `block_tokens`-token blocks of a prompt's token ids."""
+def chain_tokens(
+    token_ids: Sequence[int], block_tokens: int, parent: int = ROOT
+) -> tuple[int, ...]:
+    """The chain over the full `block_tokens`-token blocks of a prompt's token ids (after
+    `parent`: the entry of the blocks before them, e.g. from an engine's KV event)."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     packed = array("q", token_ids).tobytes()
     step = 8 * block_tokens
     out: list[int] = []
-    parent = ROOT
     for k in range(len(token_ids) // block_tokens):
         parent = chain(parent, packed[k * step : (k + 1) * step])
         out.append(parent)

@@ -224,3 +224,20 @@ def test_a_job_routed_again_sees_what_its_first_route_cached(name: str) -> None:
     router.pick(j, backends)
     router.on_route(j, backends[1])
     assert j.cached_tokens == 6 * 16
+
+
+def test_reasons_affinity_balance_fallback() -> None:
+    router = make_router("prefix")
+    backends = fleet(0, 0)
+    first = job(blocks=10)
+    router.on_route(first, backends[0])  # b0 now holds chain 1
+    again = job(blocks=12)
+    assert router.pick(again, backends) is backends[0]
+    assert router.reason(again, backends[0], backends) == "affinity"
+    assert router.reason(again, backends[1], backends) == "balance"  # sent past the holder
+    backends[0].inflight = 8  # the holder is full: where the job goes is load's choice
+    assert router.pick(again, backends) is backends[1]
+    assert router.reason(again, backends[1], backends) == "balance"
+    assert router.reason(job(blocks=5, root=2), backends[1], backends) == "fallback"
+    assert router.reason(job(), backends[1], backends) == "fallback"  # no prefix at all
+    assert make_router("least-loaded").reason(again, backends[1], backends) == "balance"
