@@ -17,10 +17,14 @@ it: the hit ratio with `prefix` and with the default `sagesched` router is at le
 least-loaded's. Each router replays the same conversations after both caches are reset
 (`POST /reset_prefix_cache`, vLLM's development endpoint). The figures go to
 `.cache/routing-real-vllm.json`.
+
+The servers also publish their KV-cache events (`--kv-events-config`): a second test checks
+that the gateway's copy of an engine's cache (`gateway.kv_events`) holds the prompt it served.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import urllib.request
@@ -29,6 +33,7 @@ from collections.abc import Iterator
 import pytest
 from fixtures.gateway_fixtures import StartGateway
 
+from loadgen.procs import free_port
 from loadgen.replay.sessions import build_sessions, replay_sessions
 from loadgen.traces.sessions import ThinkTime
 from loadgen.vllm_real import CACHE, RealVllm
@@ -41,15 +46,25 @@ SESSIONS = 12
 ROUTERS = ("least-loaded", "prefix", "sagesched")
 
 
+EVENT_PORTS: list[int] = []
+"""Where each server publishes its KV-cache events (`--kv-events-config`)."""
+
+
+def _server(i: int) -> RealVllm:
+    port = free_port()
+    EVENT_PORTS.append(port)
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": f"tcp://127.0.0.1:{port}"})  # fmt: skip
+    args = ("--num-gpu-blocks-override", str(KV_BLOCKS), "--enable-prefix-caching",
+            "--kv-events-config", events)  # fmt: skip
+    return RealVllm(cpus={i}, extra_args=args, dev_mode=True,
+                    log_path=CACHE / f"vllm-routing-{i}.log")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def two_servers() -> Iterator[tuple[RealVllm, RealVllm]]:
-    args = ("--num-gpu-blocks-override", str(KV_BLOCKS), "--enable-prefix-caching")
-    with (
-        RealVllm(cpus={0}, extra_args=args, dev_mode=True,
-                 log_path=CACHE / "vllm-routing-0.log") as a,
-        RealVllm(cpus={1}, extra_args=args, dev_mode=True,
-                 log_path=CACHE / "vllm-routing-1.log") as b,
-    ):  # fmt: skip
+    EVENT_PORTS.clear()
+    with _server(0) as a, _server(1) as b:
         yield a, b
 
 
@@ -97,3 +112,36 @@ async def test_prefix_routing_doubles_the_engines_hit_ratio(
     base = got["least-loaded"]["ratio"]
     for routing in ("prefix", "sagesched"):
         assert got[routing]["ratio"] >= 2 * base, got
+
+
+async def test_the_engines_kv_events_reach_the_gateway(
+    two_servers: tuple[RealVllm, RealVllm], start_gateway: StartGateway
+) -> None:
+    """vLLM's CPU build publishes its KV-cache events: the gateway's copy of each engine's
+    cache matches the prompt it served (its token chain in the engine's 128-token blocks)."""
+    import aiohttp
+
+    from policies.routing.chain import chain_tokens
+
+    rows = [{"url": s.url, "max_inflight": 4, "kv_events": f"tcp://127.0.0.1:{p}"}
+            for s, p in zip(two_servers, EVENT_PORTS, strict=True)]  # fmt: skip
+    gw = await start_gateway(rows, policy="fcfs", routing="prefix")
+    pool = gw.state.pool
+    messages = [{"role": "user", "content": "Tell me about the harbour and its boats. " * 40}]
+    body = {"model": two_servers[0].name, "messages": messages, "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        await asyncio.sleep(1.0)  # the subscriptions connect (a PUB drops what nobody reads)
+        async with s.post(f"{gw.url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        async with s.post(f"{two_servers[0].url}/tokenize", json=body) as r:
+            ids = (await r.json())["tokens"]
+        for _ in range(100):
+            if any(b.events is not None and len(b.events.cache) for b in pool.backends):
+                break
+            await asyncio.sleep(0.1)
+    streams = [b.events for b in pool.backends if b.events is not None]
+    holder = max(streams, key=lambda e: len(e.cache))
+    assert holder.exact and holder.cache.block_size == 128
+    chain = chain_tokens(ids, 128)
+    assert len(chain) >= 3 and holder.cache.match_tokens(chain) == len(chain)
+    await gw.stop()
