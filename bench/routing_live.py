@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -41,19 +40,9 @@ from loadgen.procs import Children, free_port, sagesched  # noqa: E402
 from loadgen.replay.sessions import Session, build_sessions, replay_sessions  # noqa: E402
 from loadgen.traces.sessions import ThinkTime  # noqa: E402
 from loadgen.vllm_real import CACHE, MODEL_NAME, RealVllm  # noqa: E402
+from loadgen.vllm_real import prefix_cache_counters as counters  # noqa: E402
 
 ROUTERS = ("least-loaded", "round-robin", "prefix", "sagesched")
-
-
-def counters(url: str) -> tuple[float, float]:
-    """An engine's prefix-cache (queries, hits) counters."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-
-    def total(name: str) -> float:
-        pattern = rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$"
-        return sum(float(v) for v in re.findall(pattern, text, re.M))
-
-    return total("prefix_cache_queries"), total("prefix_cache_hits")
 
 
 @contextmanager

@@ -43,11 +43,13 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import weakref
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -150,6 +152,18 @@ def build_tiny_model(dest: Path = MODEL_DIR, *, python: str = sys.executable) ->
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
+
+
+def prefix_cache_counters(url: str) -> tuple[float, float]:
+    """A vLLM server's (or the emulator's) prefix-cache counters from its `/metrics`:
+    (prompt tokens looked up, of those found cached), summed over its engines."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+
+    def total(name: str) -> float:
+        pattern = rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$"
+        return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+    return total("prefix_cache_queries"), total("prefix_cache_hits")
 
 
 def split_cpus() -> tuple[set[int], set[int]]:

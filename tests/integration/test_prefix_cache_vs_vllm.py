@@ -18,7 +18,6 @@ unit test checks the model against without a server.
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 
 import pytest
@@ -31,20 +30,11 @@ from fixtures.prefix_prompts import (
 )
 
 from loadgen.vllm_real import CACHE, RealVllm
+from loadgen.vllm_real import prefix_cache_counters as _counters
 
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 0.05
-
-
-def _counters(url: str) -> tuple[float, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-
-    def total(name: str) -> float:
-        pattern = rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$"
-        return sum(float(v) for v in re.findall(pattern, text, re.M))
-
-    return total("prefix_cache_queries"), total("prefix_cache_hits")
 
 
 def _complete(server: RealVllm, prompt: list[int]) -> None:

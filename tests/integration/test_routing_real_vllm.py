@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import urllib.request
 from collections.abc import Iterator
 
@@ -37,6 +36,7 @@ from loadgen.procs import free_port
 from loadgen.replay.sessions import build_sessions, replay_sessions
 from loadgen.traces.sessions import ThinkTime
 from loadgen.vllm_real import CACHE, RealVllm
+from loadgen.vllm_real import prefix_cache_counters as _counters
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -66,16 +66,6 @@ def two_servers() -> Iterator[tuple[RealVllm, RealVllm]]:
     EVENT_PORTS.clear()
     with _server(0) as a, _server(1) as b:
         yield a, b
-
-
-def _counters(url: str) -> tuple[float, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$",
-                                                text, re.M))  # fmt: skip
-
-    return total("prefix_cache_queries"), total("prefix_cache_hits")
 
 
 def _reset(url: str) -> None:

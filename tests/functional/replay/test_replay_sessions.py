@@ -5,8 +5,6 @@ longer and the engine's prefix cache hits them."""
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 from loadgen.procs import Children, free_port, sagesched
 from loadgen.replay.cli import main as replay_main
 from loadgen.replay.sessions import SESSION_HEADER, build_sessions
+from loadgen.vllm_real import prefix_cache_counters
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +25,6 @@ def emulator(tmp_path: Path) -> Iterator[str]:
         cmd = sagesched("emulate", "--port", str(port), "--time-scale", "0.25")
         children.start("emu", cmd, f"http://127.0.0.1:{port}/health", timeout_s=60)
         yield f"http://127.0.0.1:{port}"
-
-
-def _hits(url: str) -> tuple[float, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total\{{.*\}} (\S+)$", text, re.M))
-
-    return total("prefix_cache_queries"), total("prefix_cache_hits")
 
 
 def test_sessions_replay_each_turn_with_its_history(
@@ -52,7 +42,9 @@ def test_sessions_replay_each_turn_with_its_history(
     assert report["summary"]["successful"] == 12 and report["failures"] == {}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(r["status"] == "ok" and r["tokens"] == r["output_tokens"] for r in rows)
-    queries, hits = _hits(emulator)  # turn 2 starts with turn 1's prompt, cached by then
+    queries, hits = prefix_cache_counters(
+        emulator
+    )  # turn 2 starts with turn 1's prompt, cached by then
     assert queries > 0 and hits >= 6 * 16  # at least a 16-token block per session
 
 
