@@ -422,8 +422,11 @@ class BackendPool:
         return [b for b in serving if b.config.owned and b.healthy] or serving
 
     def candidate_states(self, model: str, exclude: set[str]) -> list[BackendState]:
-        """What the router of `model` is shown at a decision."""
-        return [b.state() for b in self._candidates(model, exclude)]
+        """What the router of `model` is shown at a decision (by the approximate index)."""
+        states = [b.state() for b in self._candidates(model, exclude)]
+        for state in states:
+            state.index = None
+        return states
 
     def routed(self, model: str, job: Job, b: Backend) -> None:
         """`job` was sent to `b` (after `pick`): the router records it, and the decision is
