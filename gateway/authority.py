@@ -314,6 +314,8 @@ class Authority:
             await self._release(conn, held)
         elif op == "resized":
             slot.job.prompt_tokens = msg["prompt_tokens"]
+            if msg.get("chain"):  # the prompt's token chain: exact prefix matching
+                slot.job.ctx.token_chain = tuple(msg["chain"])
             self.dispatcher.resized(slot.job)
         elif op == "refused" and isinstance(slot.window, RemoteWindow):
             slot.window.requested = False  # the worker was not streaming: not a preemption
@@ -366,7 +368,9 @@ class Authority:
 
     def _pool_rows(self) -> list[dict[str, Any]]:
         return [{"name": b.name, "healthy": b.healthy, "models": sorted(b.models),
-                 "cards": b.discovered, "cap": b.cap, "inflight": b.inflight}
+                 "cards": b.discovered, "cap": b.cap, "inflight": b.inflight,
+                 "event_block": b.events.cache.block_size if b.events and b.events.exact
+                 else None}
                 for b in self.pool.backends]  # fmt: skip
 
     async def _push_pool(self) -> None:

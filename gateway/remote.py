@@ -71,6 +71,14 @@ class RemotePool(BackendPool):
     def by_name(self, name: str) -> Backend:
         return next(b for b in self.backends if b.name == name)
 
+    def event_block_size(self, model: str) -> int | None:
+        """The authority's answer (pushed with the pool): a backend of `model` follows its
+        engine's KV events in blocks of this size."""
+        for row in self.rows:
+            if row.get("event_block") and model in row["models"]:
+                return int(row["event_block"])
+        return None
+
     def apply(self, rows: list[dict[str, Any]]) -> None:
         self.rows = rows
         by_name = {b.name: b for b in self.backends}
@@ -249,7 +257,9 @@ class RemoteDispatcher(Dispatcher):
 
     def resized(self, job: Job) -> None:
         if job.id in self._link.slots:
-            self._link.send({"op": "resized", "rid": job.id, "prompt_tokens": job.prompt_tokens})
+            msg = {"op": "resized", "rid": job.id, "prompt_tokens": job.prompt_tokens}
+            chain = job.ctx.token_chain
+            self._link.send({**msg, "chain": list(chain)} if chain else msg)
 
 
 class AuthorityLink:

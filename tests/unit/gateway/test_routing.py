@@ -182,3 +182,19 @@ class _Ctx:
     def __init__(self) -> None:
         self.call = parse_call("chat", chat("x"))
         self.klass = type("K", (), {"name": "default"})()
+
+
+async def test_a_workers_pool_view_knows_which_engines_report_their_cache() -> None:
+    """With `--workers N` the authority pushes each backend's KV-event block size (while its
+    events are exact), so a worker's tokenizer call makes the prompt's token chain."""
+    from gateway.remote import RemotePool
+
+    cfg = build({"backends": [{"url": "http://b0:8000"}, {"url": "http://b1:8000"}]})
+    async with aiohttp.ClientSession() as session:
+        view = RemotePool(cfg.backends, session, cfg)
+        row = {"healthy": True, "models": ["m"], "cards": [], "cap": 4, "inflight": 0}
+        view.apply([{**row, "name": "b0:8000", "event_block": None},
+                    {**row, "name": "b1:8000", "event_block": 128}])  # fmt: skip
+        assert view.event_block_size("m") == 128 and view.event_block_size("other") is None
+        view.apply([{**row, "name": "b0:8000"}, {**row, "name": "b1:8000"}])
+        assert view.event_block_size("m") is None
