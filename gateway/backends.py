@@ -550,6 +550,8 @@ class BackendPool:
         b.observed(sample)
         changes = b.controller.changes
         self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("backend %s: %s", b.name, json.dumps(b.controller.trace(sample, b.inflight)))
         if b.controller.changes != changes:
             log.warning("backend %s no longer matches its curve: learning it again", b.name)
         return NO_METRICS_RETRY_S if status == 404 else b.controller.interval_s

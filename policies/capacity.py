@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from policies.cost import LinearProfile
@@ -71,6 +71,12 @@ class CapLaw:
     """Seconds between samples while the curve is still unknown."""
     min_cap: int = 1
     max_cap: int = 1024
+    uncertain_floor: int = 8
+    """While the curve is not trusted, exploration does not take the cap below this (nor
+    below the cap the controller started at, if that is smaller): too small a cap throttles
+    the engine and the backlog grows without bound, too large a cap only hands part of the
+    backlog to the engine's own FCFS queue, so an uncertain cap errs high. A trusted curve
+    and the engine's queue and KV limits may still take it lower."""
     kv_high: float = 0.95
     """KV usage above which the cap shrinks (vLLM preempts when KV runs out)."""
     waiting_high: float = 2.0
@@ -125,6 +131,8 @@ class CapLaw:
             raise ValueError("need slow_start_factor > 1")
         if not 1 <= self.min_cap <= self.max_cap:
             raise ValueError("need 1 <= min_cap <= max_cap")
+        if self.uncertain_floor < 1:
+            raise ValueError("need uncertain_floor >= 1")
         if self.interval_s <= 0 or self.slow_start_interval_s <= 0:
             raise ValueError("need interval_s > 0")
         if not 0 < self.plateau_fraction < 1:
@@ -139,12 +147,16 @@ class CapController:
     """One engine's cap. Call `observe` once per sample, in time order; read `cap`.
 
     `memory`: a previous controller's `memory()` for the same engine (a restart): the cap
-    starts at the remembered efficient batch instead of `cap`. A malformed memory is ignored.
+    starts at the remembered efficient batch instead of `cap` when the remembered curve is
+    trusted; an untrusted one only lends its evidence (the cap starts at `cap`, in slow
+    start). A malformed memory is ignored.
     """
 
     def __init__(self, law: CapLaw, cap: int, memory: dict[str, Any] | None = None) -> None:
         self.law = law
         self.cap = self._clamp(cap)
+        self.floor = min(self.cap, law.uncertain_floor)
+        """The least cap exploration may set while the curve is not trusted."""
         self.fit = EngineFit(law.half_life_s)
         self.slow_start = True
         self._settled = False
@@ -203,6 +215,27 @@ class CapController:
         if self.fit.observations < self.law.min_observations:
             return None
         return {"fit": self.fit.to_dict(), "cap": self.cap}
+
+    def trace(self, sample: EngineSample, inflight: int) -> dict[str, Any]:
+        """The controller's state after a sample, JSON-ready (the gateway logs it at DEBUG):
+        enough to replay why the cap is where it is."""
+        est = self.efficient_batch()
+        coefficients = self.fit.coefficients()
+        return {
+            "cap": self.cap,
+            "inflight": inflight,
+            "sample": {k: v for k, v in asdict(sample).items() if v is not None},
+            "slow_start": self.slow_start,
+            "settled": self._settled,
+            "ceiling": self._ceiling,
+            "efficient": None if est is None else [round(est[0], 2), round(est[1], 3)],
+            "mix": [round(v, 3) for v in self.fit.mix()],
+            "span": list(self.fit.batch_span),
+            "observations": round(self.fit.observations, 2),
+            "fit": None
+            if coefficients is None
+            else {k: float(f"{v:.3g}") for k, v in coefficients.items()},
+        }
 
     def observe(self, now: float, sample: EngineSample, inflight: int) -> int:
         """One sample at time `now` with `inflight` requests of the gateway on this engine.
@@ -349,7 +382,7 @@ class CapController:
         centre = est[0] if est is not None else self.cap * (1 + law.explore_step)
         direction = -self._explore
         self._explore = direction
-        return max(1, round(centre * (1 + direction * law.explore_step)))
+        return max(self.floor, round(centre * (1 + direction * law.explore_step)))
 
     def _grown(self) -> int:
         factor = self.law.slow_start_factor if self.slow_start else 1 + self.law.explore_step
@@ -370,17 +403,17 @@ class CapController:
     def _recall(self, memory: dict[str, Any]) -> None:
         try:
             fit = EngineFit.from_dict(memory["fit"])
-            cap = int(memory.get("cap", self.cap))
         except (KeyError, TypeError, ValueError):
             return  # not a memory of this format: start cold
         fit.half_life_s = self.law.half_life_s
         self.fit = fit
-        self.cap = self._clamp(cap)
         if self.confident():
             self.slow_start, self._settled = False, True
             est = self.efficient_batch()
             assert est is not None
             self.cap = self._clamp(round(est[0]))
+        # an untrusted curve keeps its evidence but not its cap: where an exploring cap
+        # happened to stand when the gateway stopped says nothing about the engine
 
     def _clamp(self, cap: int) -> int:
         return max(self.law.min_cap, min(self.law.max_cap, cap))

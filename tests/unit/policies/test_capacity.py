@@ -132,6 +132,41 @@ def test_a_remembered_curve_starts_at_the_knee() -> None:
     assert ctl.changes == 1 and within(caps, other.knee()), (other.knee(), caps)
 
 
+def test_an_uncertain_cap_errs_high() -> None:
+    """A knee below the starting cap (5.7 < 8) behind noisy samples: while the curve is not
+    trusted, exploration does not take the cap below where it started (too small a cap
+    throttles the engine); without that floor the same run explores down to 3."""
+
+    def exploring(law: CapLaw) -> list[int]:
+        e = LinearEngine(0.002, 0.002, noise=0.25, seed=2)
+        ctl = CapController(law, 8)
+        caps = []
+        for _ in range(40):
+            cap = e.drive(ctl, 1.0)[-1]
+            if not ctl.confident() and not ctl.slow_start:
+                caps.append(cap)
+        return caps
+
+    floored, unfloored = exploring(CapLaw()), exploring(CapLaw(uncertain_floor=1))
+    assert len(floored) >= 10 and min(floored) >= 8, floored
+    assert min(unfloored) < 8, unfloored
+
+
+def test_an_untrusted_memory_lends_its_evidence_not_its_cap() -> None:
+    """A gateway stopped while its cap explored low (the curve not trusted yet) restarts
+    at its configured cap, in slow start, with the evidence kept."""
+    e = LinearEngine(*CPU_TINY, noise=0.3)
+    first = CapController(CapLaw(), 8)
+    e.drive(first, 3.0)
+    assert not first.confident()
+    first.cap = 2
+    memory = first.memory()
+    assert memory is not None
+    restarted = CapController(CapLaw(), 8, memory=memory)
+    assert restarted.cap == 8 and restarted.slow_start
+    assert restarted.fit.observations == pytest.approx(first.fit.observations)
+
+
 def test_a_malformed_memory_is_a_cold_start() -> None:
     ctl = CapController(CapLaw(), 8, memory={"fit": {"xx": "nonsense"}})
     assert ctl.cap == 8 and ctl.slow_start and not ctl.confident()
@@ -287,3 +322,17 @@ def test_priority_level_keeps_the_order() -> None:
     # a factor of 2 is 4 levels apart; within 19% may share a level (FCFS inside vLLM)
     assert priority_level(-0.5) - priority_level(-1.0) == 4
     assert priority_level(0.0) == 0 and priority_level(-math.inf) < priority_level(-1e-300)
+
+
+def test_trace_says_why_the_cap_is_where_it_is() -> None:
+    import json
+
+    e = LinearEngine(*CPU_TINY)
+    ctl = CapController(CapLaw(), 8)
+    e.drive(ctl, 30.0)
+    sample = EngineSample(waiting=0.0, generation_tokens=1.0)
+    record = json.loads(json.dumps(ctl.trace(sample, 5)))
+    assert record["cap"] == ctl.cap and record["inflight"] == 5
+    assert record["sample"] == {"waiting": 0.0, "generation_tokens": 1.0}
+    assert record["efficient"][0] == pytest.approx(ctl.efficient_batch()[0], rel=0.01)  # type: ignore[index]
+    assert record["fit"]["alpha"] == pytest.approx(CPU_TINY[0], rel=0.2)
