@@ -27,7 +27,7 @@ from scipy.stats import kendalltau
 def exact_repeats(source: str) -> dict[str, float]:
     """τ between two answers' lengths for prompts answered at least twice."""
     from predictor import datasets
-    from predictor.embedder import load_tokenizer
+    from predictor.offline import load_tokenizer
 
     base = datasets.shared_data_dir()
     if source == "sharegpt":

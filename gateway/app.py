@@ -61,7 +61,13 @@ from gateway.prediction import Prediction
 from gateway.prompts import PromptCounter
 from gateway.relay import SSE_HEADERS, Relay
 from gateway.routing import SESSION_HEADER, session_key
-from gateway.security import AdminListener, admin_middleware, key_matches, limits_middleware
+from gateway.security import (
+    CUT_COUNTER,
+    AdminListener,
+    admin_middleware,
+    key_matches,
+    limits_middleware,
+)
 from policies import Job, Policy, parse_policy
 from policies.routing import parse_router
 
@@ -218,6 +224,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             log.warning("capture.embeddings is on but the predictor is off: no embeddings")
         writer = asyncio.create_task(state.capture.run())
     app[STATE] = state
+    app[CUT_COUNTER] = metrics.count_cut
     await pool.start()
     try:
         yield

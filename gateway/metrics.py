@@ -20,7 +20,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
@@ -33,7 +33,21 @@ from gateway.errors import Outcome
 if TYPE_CHECKING:
     from gateway.backends import BackendPool
     from gateway.config import TrafficClass
-    from gateway.dispatcher import Dispatcher
+
+
+class QueueCounts(Protocol):
+    """What the metrics read from the dispatcher at scrape time (`gateway.dispatcher`)."""
+
+    label: str
+    """The policy's label."""
+    preemptions: dict[tuple[str, str], int]
+    """(model, backend) -> running requests preempted and requeued."""
+    retries: dict[tuple[str, str], int]
+    """(model, backend) -> requests retried elsewhere before the first byte."""
+
+    def queue_depths(self) -> dict[str, int]: ...
+    def class_depths(self) -> dict[str, int]: ...
+
 
 # vLLM's edges (vllm/v1/metrics/loggers.py) with finer ones prepended for sub-ms overhead.
 TTFT_BUCKETS_S = (
@@ -285,7 +299,7 @@ class GatewayMetrics:
         start, read at scrape time, as `sagesched_embedding_cache_lookups_total{result}`."""
         self.registry.register(_CacheLookups(counts))
 
-    def watch(self, pool: BackendPool, dispatcher: Dispatcher) -> None:
+    def watch(self, pool: BackendPool, dispatcher: QueueCounts) -> None:
         """Export the pool's and the dispatcher's state (read at scrape time, see `_Live`)."""
         self.live.pool, self.live.dispatcher = pool, dispatcher
 
@@ -370,7 +384,7 @@ class _Live(Collector):
 
     def __init__(self) -> None:
         self.pool: BackendPool | None = None
-        self.dispatcher: Dispatcher | None = None
+        self.dispatcher: QueueCounts | None = None
         self._created: dict[tuple[str, ...], float] = {}
 
     def collect(self) -> Iterator[Metric]:

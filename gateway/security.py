@@ -204,6 +204,10 @@ class _GuardedServer(web.Server):
         return _GuardedHandler(self, loop=self._loop, guard=self.guard, **self._kwargs)
 
 
+CUT_COUNTER: web.AppKey[Callable[[str], None]] = web.AppKey("sagesched_cut_counter")
+"""Where the app puts its metrics' counter of connections cut (by reason) for the runner."""
+
+
 class GuardedRunner(web.AppRunner):
     """The gateway's `web.AppRunner` (single process and each worker): connections with the
     header deadline, `server_limits` (parser limits, keep-alive timeout); `kwargs` as
@@ -214,12 +218,10 @@ class GuardedRunner(web.AppRunner):
         self.guard = ConnectionGuard(config.header_timeout_s)
 
     async def _make_server(self) -> web.Server:
-        from gateway.app import STATE  # the app imports this module
-
         plain = await super()._make_server()
-        state = self.app.get(STATE)
-        if state is not None:
-            self.guard.on_cut = state.metrics.count_cut
+        count = self.app.get(CUT_COUNTER)
+        if count is not None:
+            self.guard.on_cut = count
         return _GuardedServer(
             plain.request_handler,
             request_factory=plain.request_factory,

@@ -19,10 +19,8 @@ from typing import Any, ClassVar, Self
 from policies.capacity import priority_level
 from policies.cost import LinearProfile
 from policies.job import Job
+from policies.queue import Key as Key  # the policies name it from here
 from policies.queue import PolicyQueue, WaitingQueue
-
-Key = tuple[float, ...]
-"""A sort key: lower is served first. The queue breaks ties on (arrival, id)."""
 
 
 def param(default: Any, help: str) -> Any:

@@ -14,12 +14,21 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from policies.job import Job
 
-if TYPE_CHECKING:
-    from policies.base import Key, Policy
+Key = tuple[float, ...]
+"""A sort key: lower is served first. The queue breaks ties on (arrival, id)."""
+
+
+class Ordering(Protocol):
+    """What a `PolicyQueue` asks of the policy that orders it (`policies.base.Policy`)."""
+
+    @property
+    def revalidate_on_pop(self) -> bool: ...
+    def key(self, job: Job, now: float) -> Key: ...
+    def review_at(self, job: Job) -> float | None: ...
 
 
 class WaitingQueue(Protocol):
@@ -40,7 +49,7 @@ class WaitingQueue(Protocol):
     def snapshot(self, now: float) -> list[tuple[Job, Key]]: ...
 
 
-_Entry = tuple["Key", float, int, int]
+_Entry = tuple[Key, float, int, int]
 """Heap entry: (key, arrival_s, job id, sequence). An entry is live while `_live[id]` holds
 its sequence; anything else is a leftover of a removal or rekey and is skipped."""
 
@@ -51,7 +60,7 @@ class PolicyQueue:
 
     __slots__ = ("_heap", "_live", "_policy", "_reviews", "_seq")
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Ordering) -> None:
         self._policy = policy
         self._heap: list[_Entry] = []
         self._live: dict[int, tuple[int, Job, Key]] = {}  # job id -> (sequence, job, key)

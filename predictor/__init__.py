@@ -13,18 +13,16 @@ implement the `predictor.evaluate.Predictor` protocol (`name`, `fit`, `predict`)
 """
 
 from predictor.config import PredictorConfig
-from predictor.embedder import (
+from predictor.embedder import AsyncEmbedder, Embedder, EmbedderClosedError
+from predictor.history import HistoryIndex, Neighbours, SnapshotError
+from predictor.model import LengthPredictor, blend, prior_dist, read_jsonl
+from predictor.offline import (
     OFFLINE_ENV,
-    AsyncEmbedder,
-    Embedder,
-    EmbedderClosedError,
     ModelNotFoundError,
     force_offline,
     load_tokenizer,
     model_path,
 )
-from predictor.history import HistoryIndex, Neighbours, SnapshotError
-from predictor.model import LengthPredictor, blend, prior_dist, read_jsonl
 from predictor.text import chat_text, clip_text, request_text
 
 __all__ = [

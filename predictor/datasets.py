@@ -166,7 +166,7 @@ def build_split(
     """Write a disjoint train/test pair of JSONL files; returns their sizes. The test set is
     filled first, so when the source runs short, train is the one that shrinks."""
     if tokenizer is None:
-        from predictor.embedder import load_tokenizer
+        from predictor.offline import load_tokenizer
 
         tokenizer = load_tokenizer()
     records = build_records(source, n_train + n_test, seed, tokenizer, data_dir)

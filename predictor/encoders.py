@@ -25,7 +25,10 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from predictor.embedder import Embeddings, ModelNotFoundError, force_offline
+from predictor.offline import ModelNotFoundError, force_offline
+
+Embeddings = NDArray[np.float32]
+"""Rows of unit-length sentence embeddings."""
 
 
 class Encoder(Protocol):

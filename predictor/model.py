@@ -29,7 +29,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from policies import LengthDist
 from predictor.config import PredictorConfig
-from predictor.embedder import AsyncEmbedder, Embedder, Embeddings
+from predictor.embedder import AsyncEmbedder, Embedder
+from predictor.encoders import Embeddings
 from predictor.history import HistoryIndex, Neighbours, SnapshotError
 from predictor.state import (
     DEFAULT_MODEL,

@@ -13,7 +13,7 @@ get a new folder, never a stale graph. The cache is `PredictorConfig.onnx_cache_
 `~/.cache/sagesched/onnx`. Each file is written to a temporary name in its folder, fsynced and
 renamed, so a crash or two processes exporting at once leave either no file or a whole one.
 
-Nothing here touches the network: the weights come from `predictor.embedder.model_path()`,
+Nothing here touches the network: the weights come from `predictor.offline.model_path()`,
 the Hugging Face libraries are switched offline first. Exporting needs torch,
 sentence-transformers, onnx and onnxruntime's quantizer (~10 s on one core); loading an
 exported file needs only onnxruntime. `python -m predictor.onnx_export` exports ahead of time
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from predictor.embedder import force_offline, model_path
+from predictor.offline import force_offline, model_path
 
 EXPORT_RECIPE = "st-stack/opset17/eager-attention/int8-dynamic-per-channel-matmul-v2"
 """Changes whenever the export or quantization steps change (it is part of the cache key)."""

@@ -33,10 +33,25 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from loadgen.engine.model import Seq
+from policies import Job
+
+
+class Seq(Protocol):
+    """What the cache reads and sets on a sequence (`loadgen.engine.model.Seq`)."""
+
+    job: Job
+    generated: int
+    kv: int
+    blocks: int
+    hashes: tuple[int, ...]
+    hash_tokens: int
+    cached: int
+    recompute: bool
+
+    @property
+    def prompt(self) -> int: ...
 
 
 class PrefixCache:

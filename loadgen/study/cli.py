@@ -115,17 +115,34 @@ def _lssp(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _sagesched(args: argparse.Namespace) -> dict[str, object]:
-    from loadgen.study import sagesched_eval
+    """Run the evaluation (or read its rows back with `--rows`), write `out/sagesched.csv`
+    and `out/report.md`; return a summary."""
+    import csv
+    import dataclasses
 
-    return sagesched_eval.run_study(
-        args.out,
-        small=args.small,
-        rows_from=args.rows,
-        workers=args.workers,
-        n_boot=args.boot,
-        progress=not args.no_progress,
-        plots=not args.no_plots,
-    )
+    from loadgen.study import sagesched_eval as ev
+    from loadgen.study import sagesched_report
+
+    out: Path = args.out
+    plots = not args.no_plots
+    if args.rows is not None:
+        meta = json.loads((args.rows.parent / "config.json").read_text())
+        return sagesched_report.write(
+            ev.read_results(args.rows), out, meta, n_boot=args.boot, plots=plots
+        )
+    config = ev.SMALL if args.small else ev.EvalConfig()
+    t0 = time.perf_counter()
+    rows = ev.run_all(config, workers=args.workers, progress=not args.no_progress)
+    wall = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "sagesched.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(ev.Result._fields)
+        w.writerows([*r[:6], repr(r.value)] for r in rows)
+    regimes = {r.name: dataclasses.asdict(r) for r in (ev.COMPUTE, ev.MEMORY)}
+    meta = {"config": dataclasses.asdict(config), "wall_s": round(wall, 1), "regimes": regimes}
+    (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return sagesched_report.write(rows, out, meta, n_boot=args.boot, plots=plots)
 
 
 def main(argv: list[str], prog: str = "sagesched study") -> int:

@@ -28,7 +28,6 @@ only) and the SRPT oracle do not read predictions and run once per workload.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -365,47 +364,10 @@ def run_all(cfg: EvalConfig, *, workers: int | None = None, progress: bool = Tru
 
 
 def read_results(path: Path) -> list[Result]:
-    """Read what `run_study` wrote to `sagesched.csv`."""
+    """Read what `sagesched study sagesched` wrote to `sagesched.csv`."""
     import csv
 
     with path.open(newline="") as f:
         reader = csv.reader(f)
         next(reader)
         return [Result(r[0], float(r[1]), int(r[2]), r[3], r[4], r[5], float(r[6])) for r in reader]
-
-
-def run_study(
-    out: Path,
-    *,
-    small: bool = False,
-    rows_from: Path | None = None,
-    workers: int | None = None,
-    n_boot: int = 2000,
-    progress: bool = True,
-    plots: bool = True,
-    cfg: EvalConfig | None = None,
-) -> dict[str, object]:
-    """Run the evaluation, write `out/sagesched.csv` and `out/report.md`; return a summary."""
-    import csv
-    import time
-
-    from loadgen.study import sagesched_report
-
-    config = cfg or (SMALL if small else EvalConfig())
-    if rows_from is not None:
-        meta = json.loads((rows_from.parent / "config.json").read_text())
-        return sagesched_report.write(
-            read_results(rows_from), out, meta, n_boot=n_boot, plots=plots
-        )
-    t0 = time.perf_counter()
-    rows = run_all(config, workers=workers, progress=progress)
-    wall = time.perf_counter() - t0
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "sagesched.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(Result._fields)
-        w.writerows([*r[:6], repr(r.value)] for r in rows)
-    regimes = {r.name: dataclasses.asdict(r) for r in (COMPUTE, MEMORY)}
-    meta = {"config": dataclasses.asdict(config), "wall_s": round(wall, 1), "regimes": regimes}
-    (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return sagesched_report.write(rows, out, meta, n_boot=n_boot, plots=plots)

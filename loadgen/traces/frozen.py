@@ -104,11 +104,13 @@ def write_frozen(source: str, input_file: Path | None = None) -> list[Window]:
 
     `input_file`: the file (or folder) the windows came from, for the manifest's provenance.
     """
-    from loadgen.traces import load_windows
+    from loadgen.traces.registry import get_source
     from loadgen.traces.windows import SAMPLER, window_digest
 
     n_requests, count, seed = FROZEN_SPEC[source]
-    windows = load_windows(source, n_requests=n_requests, count=count, seed=seed)
+    windows = get_source(source).load_windows(
+        n_requests=n_requests, count=count, seed=seed, path=None
+    )
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     blocks = any(r.block_tokens for w in windows for r in w.requests)
@@ -146,7 +148,7 @@ def write_frozen(source: str, input_file: Path | None = None) -> list[Window]:
 
 def write_frozen_from_shared(source: str) -> list[Window]:
     """`write_frozen` with the shared input file (or folder) recorded as provenance."""
-    from loadgen.traces import get_source
+    from loadgen.traces.registry import get_source
 
     resolve = getattr(get_source(source), "resolve", None)
     return write_frozen(source, resolve(None) if resolve is not None else None)

@@ -12,7 +12,8 @@ from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import StartGateway
 
 from predictor import Embedder, LengthPredictor
-from predictor.embedder import EmbeddingCache, Embeddings
+from predictor.embedder import EmbeddingCache
+from predictor.encoders import Embeddings
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -110,7 +110,7 @@ def test_ordering_on_unseen_alpaca_prompts(embedder: Embedder, shared_data: Path
     CV choice (docs/benchmarks.md): τ of the Gittins order, of the ranker, and the 10–90%
     coverage. Measured 0.510 / 0.504 / 0.763 on this sample (v1 shipped: see the ablation);
     the thresholds leave a margin of ~0.09 in τ."""
-    from predictor.embedder import load_tokenizer
+    from predictor.offline import load_tokenizer
 
     pairs = load_pairs("alpaca", shared_data)
     random.Random(3).shuffle(pairs)
