@@ -24,11 +24,11 @@ import time
 import aiohttp
 from aiohttp import web
 
-from gateway.authority import REQUEST_OPS, Authority
 from gateway.config import build
-from gateway.metrics import RequestTrace
-from gateway.openai_api import parse_call
-from gateway.slot import Attempt
+from gateway.observability.metrics import RequestTrace
+from gateway.scheduling.slot import Attempt
+from gateway.serving.openai_api import parse_call
+from gateway.workers.authority import REQUEST_OPS, Authority
 
 
 async def stub_backend() -> tuple[web.AppRunner, str]:
@@ -67,7 +67,7 @@ def worker(path: str, url: str, requests: int, concurrent: int, out: object) -> 
 
 
 async def _worker(path: str, url: str, requests: int, concurrent: int, out: object) -> None:
-    from gateway.remote import AuthorityLink
+    from gateway.workers.remote import AuthorityLink
     from policies import parse_policy
 
     config = config_for(url)

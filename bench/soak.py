@@ -57,7 +57,7 @@ from loadgen.procs import Children, free_port, sagesched
 from loadgen.procstat import cpu_s, fd_count, rss_kb, socket_remote_ports
 
 KEEPALIVE_S = 60
-"""The gateway's upstream connector keeps idle connections this long (`gateway/app.py`)."""
+"""The gateway's upstream connector keeps idle connections this long (`gateway/serving/app.py`)."""
 SETTLE_S = 10.0
 SETTLE_MAX_S = 60.0
 POLICY = "sagesched:preempt_rule=index"

@@ -1,4 +1,4 @@
-"""What counting prompts with the backend's tokenizer adds to TTFT (gateway.prompts).
+"""What counting prompts with the backend's tokenizer adds to TTFT (gateway.scheduling.prompts).
 
 An emulated backend (`cpu-tiny-vllm`) behind an in-process gateway with the tokenizer on and
 off, in interleaved rounds. Two loads:
@@ -25,9 +25,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.app import create_app
 from gateway.config import build
-from gateway.prompts import PromptCounter
+from gateway.scheduling.prompts import PromptCounter
+from gateway.serving.app import create_app
 from loadgen.emulator import EmulatorConfig, make_runner
 from loadgen.emulator import create_app as emulator_app
 

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from gateway.config import ConfigError, GatewayConfig, load
-from gateway.drain import KeySource
+from gateway.serving.drain import KeySource
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -110,10 +110,11 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 def serve(config: GatewayConfig, source: KeySource | None = None) -> int:
     """Run until SIGINT/SIGTERM, then drain: the listener closes, the requests in flight get
     `shutdown_grace_s`, the rest are ended cleanly, the predictor snapshot is saved, exit 0
-    (`gateway.drain`, `gateway.server`). SIGHUP re-reads the keys from `source`. On uvloop
+    (`gateway.serving.drain`, `gateway.serving.server`). SIGHUP re-reads the keys from `source`. On
+    uvloop
     when it is installed. With `workers` > 1: worker processes and one scheduling authority
-    (`gateway.workers`). Returns the exit status."""
-    from gateway import workers
+    (`gateway.workers.supervisor`). Returns the exit status."""
+    from gateway.workers import supervisor as workers
 
     if config.workers > 1:
         return workers.serve(config, source)
@@ -123,8 +124,8 @@ def serve(config: GatewayConfig, source: KeySource | None = None) -> int:
 
 
 async def _serve_one(config: GatewayConfig, source: KeySource | None) -> None:
-    from gateway.app import KEY_SOURCE, create_app
-    from gateway.server import serve_until, stop_on_signals
+    from gateway.serving.app import KEY_SOURCE, create_app
+    from gateway.serving.server import serve_until, stop_on_signals
 
     log = logging.getLogger("sagesched.gateway")
     stop = asyncio.Event()

@@ -49,7 +49,7 @@ class BackendConfig:
     kv_events: str | None = None
     """The ZMQ endpoint where the backend publishes vLLM's KV-cache events (its
     `--kv-events-config` endpoint, e.g. `tcp://10.0.0.5:5557`): prefix routers then match
-    prompts against what it really caches (`gateway.kv_events`)."""
+    prompts against what it really caches (`gateway.scheduling.kv_events`)."""
     kv_events_topic: str = ""
     """The topic it publishes them under (`--kv-events-config` `topic`)."""
 
@@ -68,7 +68,7 @@ class ReplicaSettings:
 
 @dataclass(frozen=True)
 class AdaptiveCapConfig:
-    """The self-tuning in-flight cap (`policies.capacity.CapLaw`; `gateway.backends`)."""
+    """The self-tuning in-flight cap (`policies.capacity.CapLaw`; `gateway.scheduling.backends`)."""
 
     enabled: bool = True
     """Adjust each backend's cap from its own `/metrics` (off: `max_inflight` is fixed)."""
@@ -113,7 +113,8 @@ class AdaptiveCapConfig:
 
 @dataclass(frozen=True)
 class TokenizerSettings:
-    """Prompt size from the backend's own tokenizer (vLLM `/tokenize`), see `gateway.prompts`."""
+    """Prompt size from the backend's own tokenizer (vLLM `/tokenize`), see
+    `gateway.scheduling.prompts`."""
 
     enabled: bool = True
     """Count a queued request's prompt with the backend's tokenizer (else characters / 4)."""
@@ -127,7 +128,8 @@ class TokenizerSettings:
 
 @dataclass(frozen=True)
 class CaptureSettings:
-    """Traffic capture to rotating JSONL files (`gateway.capture`); off unless `dir` is set.
+    """Traffic capture to rotating JSONL files (`gateway.observability.capture`); off unless `dir`
+    is set.
     Records hold counts and times, never prompt or answer text."""
 
     dir: str | None = None
@@ -145,7 +147,7 @@ class CaptureSettings:
 
 @dataclass(frozen=True)
 class TrafficClass:
-    """One request class (`gateway.classes`): its band and what it is promised."""
+    """One request class (`gateway.scheduling.classes`): its band and what it is promised."""
 
     name: str
     """Named by the `x-sagesched-class` header, in metric labels and errors."""
@@ -179,7 +181,8 @@ DEFAULT_CLASSES = (
 
 @dataclass(frozen=True)
 class ClassesSettings:
-    """Request classes: priority bands, tenant fairness and overload (`gateway.classes`)."""
+    """Request classes: priority bands, tenant fairness and overload
+    (`gateway.scheduling.classes`)."""
 
     default: str = "standard"
     """Class of a request that names none and whose key maps to none."""
@@ -256,7 +259,7 @@ class GatewayConfig:
     workers: int = 1
     """Processes that relay requests, all listening on `port` (SO_REUSEPORT). 1: one process
     does everything; N > 1: N workers relay bytes and predict, one scheduling authority per
-    host (this process) keeps one queue per model (`gateway.workers`)."""
+    host (this process) keeps one queue per model (`gateway.workers.supervisor`)."""
     policy: str = "sagesched"
     """Policy spec, `name[:key=value,...]` (see `sagesched policies`)."""
     routing: str = "sagesched"
@@ -303,7 +306,7 @@ class GatewayConfig:
     shutdown_grace_s: float = 30.0
     """On SIGTERM: seconds the requests in flight get to finish before the rest are ended
     (a stream with an SSE error event); the process exits within about this + 5 s
-    (`gateway.drain`). Kubernetes' terminationGracePeriodSeconds must cover it."""
+    (`gateway.serving.drain`). Kubernetes' terminationGracePeriodSeconds must cover it."""
     health_interval_s: float = 2.0
     """Seconds between backend health checks."""
     connect_timeout_s: float = 5.0

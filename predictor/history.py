@@ -294,7 +294,7 @@ def json_member(obj: dict[str, Any]) -> NDArray[np.uint8]:
 def clean_stale(path: str | os.PathLike[str]) -> int:
     """Remove the temporary folders that saves of the snapshot `path` left behind when their
     process was killed (SIGKILL mid-save); the number removed. Every save does it, and the
-    gateway at start (`gateway.prediction`)."""
+    gateway at start (`gateway.prediction.predict`)."""
     target = Path(path)
     removed = 0
     for stem in (f".{target.name}.snap", f".{target.name}.hnsw"):

@@ -19,7 +19,7 @@ Failure model: Redis is optional. Publishing is fire-and-forget into a bounded b
 the record is dropped and counted), so a request never waits for Redis. When Redis is lost
 (refused, reset, timeout) the replica keeps learning locally, logs one line per state change
 (lost / restored), counts it in `stats()` and reconnects with exponential backoff; nothing is
-raised to a caller. The gateway exports `stats()` (`gateway.metrics`).
+raised to a caller. The gateway exports `stats()` (`gateway.observability.metrics`).
 
 Record fields (bytes): `m` model ("" = default state), `e` embedding encoding (`i8`: int8
 values times the float32 scale `s`, 1 byte a dimension; `f32`: float32), `v` the embedding,

@@ -222,7 +222,8 @@ def panels() -> list[dict[str, Any]]:
 
 
 def class_row(y: int) -> list[dict[str, Any]]:
-    """One row per request class (`gateway.classes`): latency, queue, outcomes, SLO burn and
+    """One row per request class (`gateway.scheduling.classes`): latency, queue, outcomes, SLO burn
+    and
     the tenants' share of the output."""
     ttft = "model_class:sagesched_class_time_to_first_token_seconds"
     ttlt = "model_class:sagesched_class_time_to_last_token_seconds"

@@ -6,7 +6,7 @@ socket one multipart message per batch: (topic, 8-byte big-endian sequence numbe
 `BlockStored` {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
 lora_name}, `BlockRemoved` {block_hashes, medium}. This publisher sends the same, one batch
 per engine iteration that cached or evicted something, so the gateway's subscriber
-(`gateway.kv_events`) is tested against the format without a GPU. Block hashes are the
+(`gateway.scheduling.kv_events`) is tested against the format without a GPU. Block hashes are the
 emulator's chain entries as integers (vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` form).
 """
 

@@ -32,7 +32,8 @@ from loadgen.replay.client import ReplayRequest, ReplayResult, make_client, send
 from loadgen.traces.sessions import Dataset, ThinkTime, conversations, token_ids
 
 SESSION_HEADER = "X-SageSched-Session"
-"""The gateway's session header (`gateway.routing.SESSION_HEADER`; loadgen does not import
+"""The gateway's session header (`gateway.scheduling.routing.SESSION_HEADER`; loadgen does not
+import
 the gateway)."""
 DEFAULT_THINK = ThinkTime(median_s=5.0, sigma=1.67, max_s=60.0)
 

@@ -22,7 +22,8 @@ models, each replica dispatching only into the backend slots its `admission` all
 Client balancing (`balancing`): `random` (seeded), `round-robin`, or `least-loaded` (the replica
 with the fewest waiting + running requests, as a least-request balancer sees open requests;
 ties go to the first replica after the last one picked). A replica routes each dispatch to the
-least-loaded backend it may use (in flight / cap, as `gateway.backends.BackendPool.pick`).
+least-loaded backend it may use (in flight / cap, as
+`gateway.scheduling.backends.BackendPool.pick`).
 
 Time. Each engine steps on its own clock; a step's result is settled when the global clock
 reaches its end. The gateway acts at those settle times and at arrivals: an arrival is

@@ -1,4 +1,5 @@
-"""Traffic captured by the gateway (`sagesched serve --capture DIR`, `gateway.capture`).
+"""Traffic captured by the gateway (`sagesched serve --capture DIR`,
+`gateway.observability.capture`).
 
 Source `capture` (needs a path: one capture file or the capture folder, whose
 `capture-*.jsonl` files are read in name order, i.e. time order). Each completed request
@@ -8,7 +9,7 @@ Requests that did not complete (rejected, failed, cancelled) carry no true outpu
 are left out; `capture_summary` counts them.
 
 A capture made with `capture.embeddings` on also holds each embedded prompt's MiniLM vector
-(`{"int8": base64, "scale": s}`, written by `gateway.capture.encode_embedding`);
+(`{"int8": base64, "scale": s}`, written by `gateway.observability.capture.encode_embedding`);
 `decode_embedding` turns one back into floats and `capture_embeddings` lists them in the order
 of `read_capture` (None where a record has none; nothing here requires them).
 """

@@ -46,7 +46,7 @@ class Bands(Policy):
     inner: str | Policy = param(  # noqa: RUF009
         "sagesched",
         "policy ordering each tenant's jobs: a spec, ';' between its parameters (or, from "
-        "code, the policy itself: `gateway.classes` wraps the configured one)",
+        "code, the policy itself: `gateway.scheduling.classes` wraps the configured one)",
     )
     band_shares: tuple[tuple[int, float], ...] = param(
         (), "band:share;... fraction of the work a waiting band is guaranteed (else strict)"

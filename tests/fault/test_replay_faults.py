@@ -443,5 +443,5 @@ async def test_chunk_cut_midway_ends_every_request(
     said = "the backend closed the connection before {} was complete"
     assert {s.message for s in broken if s.stream} == {said.format("the stream")}
     assert {s.message for s in broken if not s.stream} == {said.format("its answer")}
-    logged = [r.getMessage() for r in caplog.records if r.name == "gateway.relay"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "gateway.serving.relay"]
     assert len(logged) == len(broken) and all("TransferEncodingError" in m for m in logged)

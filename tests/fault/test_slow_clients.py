@@ -24,7 +24,7 @@ from fixtures.gateway_fixtures import RunningGateway, StartGateway
 from fixtures.route_backends import route_backend
 from fixtures.scrape import scrape, total
 
-from gateway.app import DRAIN
+from gateway.serving.app import DRAIN
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

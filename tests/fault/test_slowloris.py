@@ -19,11 +19,11 @@ import pytest
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.scrape import scrape, total
 
-from gateway.app import create_app
-from gateway.authority import Authority
 from gateway.config import build
-from gateway.remote import AuthorityLink, create_worker_app
-from gateway.security import GuardedRunner
+from gateway.serving.app import create_app
+from gateway.serving.security import GuardedRunner
+from gateway.workers.authority import Authority
+from gateway.workers.remote import AuthorityLink, create_worker_app
 from predictor import Embedder, LengthPredictor
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

@@ -11,7 +11,7 @@ import pytest
 from fixtures.gateway_fixtures import StartGateway
 from fixtures.scrape import scrape, total
 
-from gateway import openai_api
+from gateway.serving import openai_api
 from loadgen.vllm_real import RealVllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -75,7 +75,7 @@ async def test_priority_forwarded_to_priority_vllm(
         sent.append(body)
         return body
 
-    monkeypatch.setattr("gateway.relay.upstream_body", spy)
+    monkeypatch.setattr("gateway.serving.relay.upstream_body", spy)
     gw = await start_gateway(
         [{"url": real_vllm_priority.url, "max_inflight": 4, "priority_scheduling": True}],
         policy="fcfs",

@@ -24,7 +24,8 @@ endpoint). The figures go to
 `.cache/routing-real-vllm.json`.
 
 The servers also publish their KV-cache events (`--kv-events-config`): a second test checks
-that the gateway's copy of an engine's cache (`gateway.kv_events`) holds the prompt it served.
+that the gateway's copy of an engine's cache (`gateway.scheduling.kv_events`) holds the prompt it
+served.
 """
 
 from __future__ import annotations

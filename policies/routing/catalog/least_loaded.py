@@ -1,4 +1,4 @@
-"""`least-loaded`: the gateway's rule so far (`gateway/backends.py` `BackendPool.pick`).
+"""`least-loaded`: the gateway's rule so far (`gateway/scheduling/backends.py` `BackendPool.pick`).
 
 Among the backends with room, the lowest in-flight/cap; the earlier backend on ties.
 """

@@ -14,7 +14,7 @@ import pytest
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import StartGateway
 
-from gateway.dispatcher import Dispatcher
+from gateway.scheduling.dispatcher import Dispatcher
 from policies import Job
 from predictor import Embedder, LengthPredictor
 

@@ -15,7 +15,7 @@ from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import RunningGateway, StartGateway
 from fixtures.scrape import scrape, total
 
-from gateway.openai_api import parse_call
+from gateway.serving.openai_api import parse_call
 
 MODEL = "tiny-llama"
 ADMIN = {"Authorization": "Bearer adm"}

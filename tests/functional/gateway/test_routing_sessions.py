@@ -14,7 +14,7 @@ import aiohttp
 from fixtures.emulator_fixtures import StartEmulator
 from fixtures.gateway_fixtures import StartGateway
 
-from gateway.routing import SESSION_HEADER
+from gateway.scheduling.routing import SESSION_HEADER
 
 MODEL = "tiny-llama"
 SESSIONS = 16

@@ -21,9 +21,9 @@ from fixtures.recording_backend import (  # noqa: F401  (fixture)
     start_recording_backend,
 )
 
-from gateway.app import ADMIN, create_app
 from gateway.config import build
-from gateway.security import admin_socket, key_matches, server_limits
+from gateway.serving.app import ADMIN, create_app
+from gateway.serving.security import admin_socket, key_matches, server_limits
 from loadgen.procs import Children, free_port, sagesched
 
 API_KEY, ADMIN_KEY, BACKEND_KEY = "sk-client-7f3a9c", "adm-secret-51be02", "bk-upstream-9d44e1"

@@ -16,7 +16,7 @@ from fixtures.gateway_fixtures import StartGateway
 from fixtures.scrape import scrape, total
 from fixtures.worker_fixtures import BURST, RunningWorkers, StartWorkers
 
-from gateway.authority import REQUEST_OPS
+from gateway.workers.authority import REQUEST_OPS
 from predictor import Embedder, LengthPredictor
 from predictor.config import PredictorConfig
 

@@ -24,8 +24,8 @@ import pytest
 from aiohttp import web
 from fixtures.emulator_fixtures import StartEmulator
 
-from gateway.app import create_app
 from gateway.config import build
+from gateway.serving.app import create_app
 from loadgen.replay.cli import _replay_parser, workloads
 from loadgen.replay.cli import main as replay_main
 from loadgen.replay.prompts import load_prompt_rows

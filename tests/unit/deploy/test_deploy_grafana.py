@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from loadgen.emulator.metrics import EmulatorMetrics
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"

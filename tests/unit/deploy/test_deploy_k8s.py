@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from gateway.app import create_app
 from gateway.config import GatewayConfig, build, load, parse
+from gateway.serving.app import create_app
 
 K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 KINDS = {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget",

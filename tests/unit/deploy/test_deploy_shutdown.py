@@ -1,6 +1,6 @@
 """The deployments give the gateway's SIGTERM drain the time it needs (issue 18 part 5): the
 Kubernetes pod's terminationGracePeriodSeconds covers its preStop sleep, the configured
-`shutdown_grace_s`, the cut of late streams (`gateway.drain.CUT_S`) and a margin for the
+`shutdown_grace_s`, the cut of late streams (`gateway.serving.drain.CUT_S`) and a margin for the
 snapshot save; the compose files' stop_grace_period covers the grace and the cut."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from gateway.config import build, parse
-from gateway.drain import CUT_S
+from gateway.serving.drain import CUT_S
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 MARGIN_S = 5.0

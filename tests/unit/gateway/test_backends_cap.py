@@ -6,8 +6,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.backends import BackendPool, read_sample
 from gateway.config import AdaptiveCapConfig, BackendConfig
+from gateway.scheduling.backends import BackendPool, read_sample
 
 TWO_ENGINES = """\
 # HELP vllm:num_requests_waiting Requests waiting to be processed.

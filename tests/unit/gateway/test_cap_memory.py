@@ -1,4 +1,5 @@
-"""The self-tuning cap's curve memory in the pool (`gateway.backends`): written, read back at
+"""The self-tuning cap's curve memory in the pool (`gateway.scheduling.backends`): written, read
+back at
 start, keyed by backend and models; a broken file is a cold start, never an error."""
 
 from __future__ import annotations
@@ -9,8 +10,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.backends import BackendPool, curve_view, load_memory, memory_key, save_memory
 from gateway.config import AdaptiveCapConfig, BackendConfig, ConfigError, build
+from gateway.scheduling.backends import (
+    BackendPool,
+    curve_view,
+    load_memory,
+    memory_key,
+    save_memory,
+)
 from policies.capacity import CapController, CapLaw, EngineSample
 
 

@@ -1,4 +1,5 @@
-"""`gateway.capture.CaptureWriter`: bounded queue, rotation, pruning, no text in a record; the
+"""`gateway.observability.capture.CaptureWriter`: bounded queue, rotation, pruning, no text in a
+record; the
 opt-in prompt embeddings (int8 encoding, a record waiting for a prediction still running)."""
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.capture import CaptureWriter, encode_embedding, record_of
 from gateway.cli import build_parser, overrides
 from gateway.config import CaptureSettings, ConfigError, TrafficClass
-from gateway.dispatcher import Ticket
 from gateway.errors import Outcome
-from gateway.metrics import RequestTrace
-from gateway.openai_api import parse_call
+from gateway.observability.capture import CaptureWriter, encode_embedding, record_of
+from gateway.observability.metrics import RequestTrace
+from gateway.scheduling.dispatcher import Ticket
+from gateway.serving.openai_api import parse_call
 
 
 def _trace(i: int) -> RequestTrace:

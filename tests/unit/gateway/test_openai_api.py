@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.openai_api import parse_call, upstream_body
-from gateway.prompts import tokenize_requests
+from gateway.scheduling.prompts import tokenize_requests
+from gateway.serving.openai_api import parse_call, upstream_body
 
 
 def chat(**extra: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""hypothesis fuzzing of the request parser (`gateway.openai_api`) and the relay's pure SSE
+"""hypothesis fuzzing of the request parser (`gateway.serving.openai_api`) and the relay's pure SSE
 event handling (`Relay._events` on a real `LocalSlot`-like slot), issue 18 part 1.
 
 The parser: any bytes, any JSON value and any mutation of a valid body either parse into a
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
-from gateway.openai_api import Kind, parse_body, parse_call, upstream_body
-from gateway.relay import Relay
+from gateway.serving.openai_api import Kind, parse_body, parse_call, upstream_body
+from gateway.serving.relay import Relay
 
 EXAMPLES = 300
 """Per test (4 tests): with the schemathesis run, over 1,000 generated cases per CI run."""
@@ -93,7 +93,7 @@ class _Slot:
     def __init__(self, call: Any) -> None:
         from types import SimpleNamespace
 
-        from gateway.metrics import RequestTrace
+        from gateway.observability.metrics import RequestTrace
 
         trace = RequestTrace(model="m", arrived=0.0, policy="fcfs")
         self.job = SimpleNamespace(ctx=SimpleNamespace(call=call, trace=trace))
@@ -127,7 +127,7 @@ lines = st.one_of(
 @given(events=st.lists(st.lists(lines, min_size=1, max_size=4).map(b"\n".join), max_size=12),
        stream=st.booleans())  # fmt: skip
 def test_sse_events(events: list[bytes], stream: bool) -> None:
-    from gateway.relay import StreamState
+    from gateway.serving.relay import StreamState
 
     call = parse_call("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                "stream": True})  # fmt: skip

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.backends import BackendPool
 from gateway.config import AdaptiveCapConfig, ConfigError, build, load
+from gateway.scheduling.backends import BackendPool
 
 FOUR = [{"url": f"http://b{i}:8000"} for i in range(4)]
 

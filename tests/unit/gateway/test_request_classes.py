@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.classes import Admission, Classes
 from gateway.config import ClassesSettings, ConfigError, TrafficClass, as_dict, build
 from gateway.errors import QueueFull, Shed, UnknownClass
-from gateway.metrics import TenantLabels
+from gateway.observability.metrics import TenantLabels
+from gateway.scheduling.classes import Admission, Classes
 from policies import Job, parse_policy
 from policies.catalog.bands import Bands
 

@@ -10,13 +10,13 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import wire
-from gateway.backends import BackendPool
 from gateway.cli import build_parser, overrides
 from gateway.config import AdaptiveCapConfig, ConfigError, build, load
-from gateway.metrics import GatewayMetrics
-from gateway.openai_api import parse_call
-from gateway.routing import ID_BLOCK_TOKENS, request_prefix, session_key
+from gateway.observability.metrics import GatewayMetrics
+from gateway.scheduling.backends import BackendPool
+from gateway.scheduling.routing import ID_BLOCK_TOKENS, request_prefix, session_key
+from gateway.serving.openai_api import parse_call
+from gateway.workers import wire
 from policies import Job
 from policies.capacity import EngineSample
 from policies.routing import parse_router
@@ -187,7 +187,7 @@ class _Ctx:
 async def test_a_workers_pool_view_knows_which_engines_report_their_cache() -> None:
     """With `--workers N` the authority pushes each backend's KV-event block size (while its
     events are exact), so a worker's tokenizer call makes the prompt's token chain."""
-    from gateway.remote import RemotePool
+    from gateway.workers.remote import RemotePool
 
     cfg = build({"backends": [{"url": "http://b0:8000"}, {"url": "http://b1:8000"}]})
     async with aiohttp.ClientSession() as session:

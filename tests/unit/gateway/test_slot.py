@@ -1,4 +1,4 @@
-"""The slot contract (`gateway.slot`): the preemption window on its own, then a real
+"""The slot contract (`gateway.scheduling.slot`): the preemption window on its own, then a real
 `Dispatcher` and `BackendPool` driven through `LocalSlot`s as the relay drives them (no
 network: the backends are marked healthy by hand and never contacted)."""
 
@@ -11,13 +11,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, build
-from gateway.dispatcher import Dispatcher, LocalSlot
 from gateway.errors import QueueTimeout, UpstreamFailed
-from gateway.metrics import RequestTrace
-from gateway.openai_api import parse_call
-from gateway.slot import Attempt, PreemptWindow, Slot
+from gateway.observability.metrics import RequestTrace
+from gateway.scheduling.backends import BackendPool
+from gateway.scheduling.dispatcher import Dispatcher, LocalSlot
+from gateway.scheduling.slot import Attempt, PreemptWindow, Slot
+from gateway.serving.openai_api import parse_call
 from policies import Job, parse_policy
 
 MODEL = "m"

@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import wire
 from gateway.cli import build_parser, overrides
 from gateway.config import ConfigError, TrafficClass, load
-from gateway.dispatcher import Ticket
 from gateway.errors import (
     GatewayError,
     QueueFull,
@@ -19,9 +17,11 @@ from gateway.errors import (
     UnknownClass,
     UpstreamFailed,
 )
-from gateway.metrics import RequestTrace
-from gateway.openai_api import parse_call
-from gateway.workers import worker_config
+from gateway.observability.metrics import RequestTrace
+from gateway.scheduling.dispatcher import Ticket
+from gateway.serving.openai_api import parse_call
+from gateway.workers import wire
+from gateway.workers.supervisor import worker_config
 from policies import Job, LengthDist
 
 BACKEND = {"backends": [{"url": "http://a:1"}]}

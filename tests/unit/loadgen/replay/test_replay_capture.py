@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.capture import encode_embedding
+from gateway.observability.capture import encode_embedding
 from loadgen.replay import nearest
 from loadgen.replay.cli import _replay_parser, workloads
 from loadgen.replay.nearest import NearestPrompts

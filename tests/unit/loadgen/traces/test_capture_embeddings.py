@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.capture import encode_embedding
+from gateway.observability.capture import encode_embedding
 from loadgen.traces.capture import (
     capture_embeddings,
     capture_summary,

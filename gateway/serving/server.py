@@ -4,7 +4,7 @@
 the main address (and the admin address when `admin_listen` is set) served through
 `security.GuardedRunner` (parser limits, header deadline, keep-alive timeout), until `stop`
 is set; then `runner.cleanup()` closes the listeners, runs the SIGTERM drain
-(`gateway.drain`, an `on_shutdown` hook) and the app's cleanup (the predictor snapshot).
+(`gateway.serving.drain`, an `on_shutdown` hook) and the app's cleanup (the predictor snapshot).
 aiohttp's `run_app` is not used: it builds its own runner, which cannot carry the header
 deadline.
 """
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from gateway.config import GatewayConfig
-from gateway.drain import CUT_S
-from gateway.security import GuardedRunner, admin_socket
+from gateway.serving.drain import CUT_S
+from gateway.serving.security import GuardedRunner, admin_socket
 
 log = logging.getLogger("sagesched.gateway")
 
@@ -37,7 +37,7 @@ async def serve_until(
 ) -> None:
     """Serve `app` until `stop` is set, then drain and clean up. `reuse_port`: several
     processes share the addresses (workers). `ready` is called once both addresses listen."""
-    from gateway.app import ADMIN
+    from gateway.serving.app import ADMIN
 
     runner = GuardedRunner(
         app, config, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_S
@@ -55,7 +55,7 @@ async def serve_until(
         await stop.wait()
         log.info("stopping: draining")
     finally:
-        await runner.cleanup()  # stops accepting, drains (`gateway.drain`), then cleanup
+        await runner.cleanup()  # stops accepting, drains (`gateway.serving.drain`), then cleanup
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:

@@ -31,12 +31,13 @@ from prometheus_client.registry import Collector
 from gateway.errors import Outcome
 
 if TYPE_CHECKING:
-    from gateway.backends import BackendPool
     from gateway.config import TrafficClass
+    from gateway.scheduling.backends import BackendPool
 
 
 class QueueCounts(Protocol):
-    """What the metrics read from the dispatcher at scrape time (`gateway.dispatcher`)."""
+    """What the metrics read from the dispatcher at scrape time
+    (`gateway.scheduling.dispatcher`)."""
 
     label: str
     """The policy's label."""
@@ -115,7 +116,7 @@ class RequestTrace:
     outcome: Outcome | None = None
     status: int = 200
     klass: str = ""
-    """The request's class (`gateway.classes`), once resolved."""
+    """The request's class (`gateway.scheduling.classes`), once resolved."""
     tenant: str = ""
     """Who the request is billed to (never a label as is: hashed, top tenants only)."""
 
@@ -239,7 +240,8 @@ class GatewayMetrics:
         self._tenants = TenantLabels(0)
 
     def _class_series(self, r: CollectorRegistry) -> None:
-        """Per request class (`gateway.classes`); labels bounded by the configured classes."""
+        """Per request class (`gateway.scheduling.classes`); labels bounded by the configured
+        classes."""
         mc = ("model", "class")
         self.class_ttft = Histogram(
             "sagesched_class_time_to_first_token_seconds",
@@ -363,11 +365,11 @@ class GatewayMetrics:
                 self.class_slo.labels(c, slo, "met" if met else "missed").inc()
 
     def count_cut(self, reason: str) -> None:
-        """A connection cut before its request was parsed (`gateway.security`)."""
+        """A connection cut before its request was parsed (`gateway.serving.security`)."""
         self.connections_cut.labels(reason).inc()
 
     def count_capture(self, result: str) -> None:
-        """One traffic-capture record `written` or `dropped` (`gateway.capture`)."""
+        """One traffic-capture record `written` or `dropped` (`gateway.observability.capture`)."""
         self.capture_records.labels(result).inc()
 
     def exposition(self) -> bytes:

@@ -4,20 +4,20 @@ A generating request (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`
 named steps (`_serve`; docs/ARCHITECTURE.md):
 
 1. accept — `accept`: auth (401), class (400), body (413), validation (400), model (404);
-2. predict — `Prediction.predict` (`gateway.prediction`; the prompt sized beside it by
+2. predict — `Prediction.predict` (`gateway.prediction.predict`; the prompt sized beside it by
    `Prediction.size`);
-3. queue — `Dispatcher.slot` (`gateway.dispatcher`): admitted (429) and granted a backend
+3. queue — `Dispatcher.slot` (`gateway.scheduling.dispatcher`): admitted (429) and granted a backend
    slot (503 on timeout);
-4. relay — `Relay.serve` (`gateway.relay`): attempts against backends, retries before the
+4. relay — `Relay.serve` (`gateway.serving.relay`): attempts against backends, retries before the
    first byte, continuations after preemption;
 5. settle — `settle`: the metrics (`GatewayMetrics.settle`), the capture, and on completion
    the predictor learns the true length (`Prediction.learn`).
 
-Every other path goes to `passthrough` (`gateway.passthrough`: forwarded first come, first
+Every other path goes to `passthrough` (`gateway.serving.passthrough`: forwarded first come, first
 served). Every request records exactly one `Outcome` (`_counted`). Handlers raise
 `GatewayError`s; `error_middleware` alone turns them into HTTP responses.
 
-Stopping and reloading (`gateway.drain`): SIGTERM drains the requests in flight for
+Stopping and reloading (`gateway.serving.drain`): SIGTERM drains the requests in flight for
 `shutdown_grace_s` and ends the rest cleanly (`_drain`, `_cut`); SIGHUP re-reads the keys
 when the app was given its config's source (`KEY_SOURCE`, set by `sagesched serve`).
 """
@@ -36,14 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 import aiohttp
 from aiohttp import web
 
-from gateway import backpressure
-from gateway import passthrough as fwd
-from gateway.backends import BackendPool, curve_view
-from gateway.capture import CaptureWriter
-from gateway.classes import CLASS_HEADER
 from gateway.config import GatewayConfig, as_dict
-from gateway.dispatcher import Dispatcher
-from gateway.drain import Drain, KeySource, reload_keys
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -55,13 +48,20 @@ from gateway.errors import (
     Unauthorized,
     sse_error_event,
 )
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
-from gateway.openai_api import Kind, parse_body, parse_call
-from gateway.prediction import Prediction
-from gateway.prompts import PromptCounter
-from gateway.relay import SSE_HEADERS, Relay
-from gateway.routing import SESSION_HEADER, session_key
-from gateway.security import (
+from gateway.observability.capture import CaptureWriter
+from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
+from gateway.prediction.predict import Prediction
+from gateway.scheduling.backends import BackendPool, curve_view
+from gateway.scheduling.classes import CLASS_HEADER
+from gateway.scheduling.dispatcher import Dispatcher
+from gateway.scheduling.prompts import PromptCounter
+from gateway.scheduling.routing import SESSION_HEADER, session_key
+from gateway.serving import backpressure
+from gateway.serving import passthrough as fwd
+from gateway.serving.drain import Drain, KeySource, reload_keys
+from gateway.serving.openai_api import Kind, parse_body, parse_call
+from gateway.serving.relay import SSE_HEADERS, Relay
+from gateway.serving.security import (
     CUT_COUNTER,
     AdminListener,
     admin_middleware,
@@ -106,7 +106,7 @@ class GatewayState:
 
 
 class Remote(Protocol):
-    """Where a worker's pool and dispatcher come from (`gateway.remote.AuthorityLink`)."""
+    """Where a worker's pool and dispatcher come from (`gateway.workers.remote.AuthorityLink`)."""
 
     def attach(
         self, session: aiohttp.ClientSession, policy: Policy, config: GatewayConfig
@@ -118,11 +118,11 @@ REMOTE = web.AppKey("sagesched_remote", Remote)
 CONFIG = web.AppKey("sagesched_config", GatewayConfig)
 PREDICTOR = web.AppKey("sagesched_predictor", object)
 ADMIN = web.AppKey("sagesched_admin_listener", AdminListener)
-"""Where the admin address listens, once bound (`gateway.security.admin_socket`)."""
+"""Where the admin address listens, once bound (`gateway.serving.security.admin_socket`)."""
 JOB = web.RequestKey("sagesched_job", Job)
 """A generating request's job, once it exists (settling reads its ticket)."""
 DRAIN = web.AppKey("sagesched_drain", Drain)
-"""The requests in flight and the SIGTERM drain (`gateway.drain`)."""
+"""The requests in flight and the SIGTERM drain (`gateway.serving.drain`)."""
 KEY_SOURCE = web.AppKey("sagesched_key_source", KeySource)
 """Where the config came from: set by `sagesched serve` so that SIGHUP reloads the keys."""
 RESPONSE = web.RequestKey("sagesched_response", web.StreamResponse)
@@ -140,7 +140,7 @@ async def error_middleware(
 ) -> web.StreamResponse:
     """The one place errors become HTTP responses: every `GatewayError` a handler raises, and
     aiohttp's own HTTP errors (unknown route, wrong method, body too large) in OpenAI's
-    format. (A stream that already started reports its error in-band: `gateway.relay`.)"""
+    format. (A stream that already started reports its error in-band: `gateway.serving.relay`.)"""
     try:
         return await handler(request)
     except GatewayError as exc:
@@ -241,7 +241,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 async def _drain(app: web.Application) -> None:
     """SIGTERM, after the listeners closed (aiohttp's `on_shutdown`): the requests in flight
-    get `shutdown_grace_s`, then the rest are cut (`gateway.drain`)."""
+    get `shutdown_grace_s`, then the rest are cut (`gateway.serving.drain`)."""
     await app[DRAIN].run(app[CONFIG].shutdown_grace_s)
 
 
@@ -455,8 +455,8 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """The OpenAPI document of the gateway's own routes (`gateway.openapi`)."""
-    from gateway.openapi import document
+    """The OpenAPI document of the gateway's own routes (`gateway.serving.openapi`)."""
+    from gateway.serving.openapi import document
 
     return web.json_response(document())
 
@@ -509,7 +509,7 @@ async def admin_backends(request: web.Request) -> web.Response:
 async def _passthrough(
     state: GatewayState, request: web.Request, trace: RequestTrace
 ) -> web.StreamResponse:
-    """Any other route: forwarded to a backend at once (`gateway.passthrough`)."""
+    """Any other route: forwarded to a backend at once (`gateway.serving.passthrough`)."""
     if fwd.reserved(request.path):
         raise fwd.method_not_allowed(request)
     _authorize(request, state.config.api_keys)

@@ -29,9 +29,9 @@ from typing import Any
 
 import aiohttp
 
-from gateway.backends import Backend, BackendPool
 from gateway.config import TokenizerSettings
-from gateway.openai_api import Call
+from gateway.scheduling.backends import Backend, BackendPool
+from gateway.serving.openai_api import Call
 from policies.routing.chain import chain_tokens
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class PromptCounter:
     async def count(self, call: Call) -> tuple[int, str, tuple[int, ...] | None]:
         """(prompt tokens, source, the prompt's token chain). The chain (this project's chain
         over the token ids, in the block size of the model's engines that publish KV events,
-        `gateway.kv_events`) is there only when such an engine exists and one prompt was
+        `gateway.scheduling.kv_events`) is there only when such an engine exists and one prompt was
         tokenized. Never raises (but lets cancellation through) and returns within about
         `timeout_s`."""
         estimate = call.prompt_tokens_estimate, ESTIMATE, None

@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from gateway.backends import Backend
+    from gateway.scheduling.backends import Backend
     from policies import Job
 
 

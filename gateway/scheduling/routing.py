@@ -15,7 +15,7 @@ key; the others ignore it).
 
 from __future__ import annotations
 
-from gateway.openai_api import Call
+from gateway.serving.openai_api import Call
 from policies.routing.chain import TEXT_BLOCK_TOKENS, chain_text, chain_tokens
 
 SESSION_HEADER = "X-SageSched-Session"

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from gateway.config import CaptureSettings
-from gateway.dispatcher import Ticket
-from gateway.metrics import RequestTrace, tenant_id
+from gateway.observability.metrics import RequestTrace, tenant_id
+from gateway.scheduling.dispatcher import Ticket
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ SIGTERM (aiohttp's `run_app`, or a worker's own runner): the listening sockets c
 (new connections are refused), idle keep-alive connections close, then `Drain.run` (an
 `on_shutdown` hook) waits up to `shutdown_grace_s` for every request in flight. A request
 still running at the end of the grace is *cut*: its handler task is cancelled with a marker,
-and `_counted` (gateway.app) ends it cleanly, a started stream with an SSE error event
+and `_counted` (gateway.serving.app) ends it cleanly, a started stream with an SSE error event
 `shutting_down` then `[DONE]`, a request not yet answered with a 503 JSON error. Either way
 it is counted once, outcome `shutdown` with code 503 (an operator's stop, not an upstream
 fault: the error-rate rules skip it). Only then does aiohttp's own
@@ -128,7 +128,7 @@ def reload_keys(current: GatewayConfig, source: KeySource) -> GatewayConfig | No
 
 def _changed(updated: GatewayConfig, fresh: GatewayConfig) -> list[str]:
     """Top-level fields that differ (a worker's own paths and replica id excepted: they are
-    derived from the fresh config's, `gateway.workers.worker_config`)."""
+    derived from the fresh config's, `gateway.workers.supervisor.worker_config`)."""
     skip = {"predictor", "capture", "shared_learning"} if updated.workers > 1 else set()
     return [
         f.name

@@ -21,10 +21,10 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from gateway import memory, shared_learning
 from gateway.config import GatewayConfig
-from gateway.dispatcher import Dispatcher, Ticket
-from gateway.prompts import PromptCounter
+from gateway.prediction import memory, shared_learning
+from gateway.scheduling.dispatcher import Dispatcher, Ticket
+from gateway.scheduling.prompts import PromptCounter
 from policies import Job
 
 if TYPE_CHECKING:

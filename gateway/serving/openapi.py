@@ -1,7 +1,7 @@
 """The OpenAPI 3 document of the gateway's own routes, served at `/openapi.json`.
 
 Why hand-written: the gateway validates only the fields it relies on and passes every other
-field through (`gateway.openai_api`), so the document describes exactly that contract — the
+field through (`gateway.serving.openai_api`), so the document describes exactly that contract — the
 fields it checks, with `additionalProperties` left open — and the error responses every route
 can give (OpenAI's error object, `gateway.errors`). schemathesis generates hostile and valid
 requests from it against a live gateway (tests/functional/gateway/test_generated_input.py,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.openai_api import MAX_DEPTH
+from gateway.serving.openai_api import MAX_DEPTH
 
 _ERROR = {
     "type": "object",

@@ -7,13 +7,14 @@ decisions. Time is `time.monotonic()` seconds. Everything here runs on the event
 never awaits while it changes state: state changes are synchronous, so no locks are needed.
 
 A request's whole life in the queue is one `LocalSlot` (`dispatcher.slot(job)`, the contract
-is `gateway.slot.Slot`): enter = admit (or 429), `granted()` = wait for a backend slot (503 on
+is `gateway.scheduling.slot.Slot`): enter = admit (or 429), `granted()` = wait for a backend slot
+(503 on
 timeout, 429 if shed), `tokens(n)` = progress (at review points, maybe preempt someone),
 `ended(...)` = the attempt's outcome (completed, preempted, retry elsewhere), exit = finish.
 The dispatcher never calls the relay: a preemption stops the victim's `PreemptWindow`.
 
 What it counts for the metrics is plain data (`preemptions`, `retries`, `queue_depths`,
-`class_depths`), read by `gateway.metrics` when Prometheus scrapes.
+`class_depths`), read by `gateway.observability.metrics` when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from gateway.backends import Backend, BackendPool
-from gateway.classes import Admission, Classes
 from gateway.config import GatewayConfig, TrafficClass
 from gateway.errors import QueueTimeout, UpstreamFailed
-from gateway.metrics import RequestTrace
-from gateway.openai_api import Call
-from gateway.routing import request_prefix
-from gateway.slot import Attempt, Grant, PreemptWindow
+from gateway.observability.metrics import RequestTrace
+from gateway.scheduling.backends import Backend, BackendPool
+from gateway.scheduling.classes import Admission, Classes
+from gateway.scheduling.routing import request_prefix
+from gateway.scheduling.slot import Attempt, Grant, PreemptWindow
+from gateway.serving.openai_api import Call
 from policies import Job, LengthDist, Policy, Scheduler
 from policies.routing import parse_router
 
@@ -45,7 +46,8 @@ class Ticket:
     call: Call
     trace: RequestTrace
     klass: TrafficClass
-    """The request's class (`gateway.classes`; set by `Dispatcher.new_job`): its band is the
+    """The request's class (`gateway.scheduling.classes`; set by `Dispatcher.new_job`): its band is
+    the
     job's priority."""
     prompt_vector: Any = None
     """The prompt's embedding once the predictor made it; learning the true length reuses it."""
@@ -53,11 +55,12 @@ class Ticket:
     """The prediction running beside the request (a job that could start at once)."""
     token_chain: tuple[int, ...] | None = None
     """The prompt's chain over its token ids in the block size of engines that publish KV
-    events (`gateway.prompts`, `gateway.kv_events`), once the backend's tokenizer counted it."""
+    events (`gateway.scheduling.prompts`, `gateway.scheduling.kv_events`), once the backend's
+    tokenizer counted it."""
 
 
 class LocalSlot:
-    """A `gateway.slot.Slot` of a dispatcher in this process (the contract is there).
+    """A `gateway.scheduling.slot.Slot` of a dispatcher in this process (the contract is there).
 
     Holds the job's queue state: the pending grant, the backend it holds, the backends that
     failed it, the open preemption window. Every call goes straight to the dispatcher (no
@@ -142,7 +145,7 @@ class Dispatcher:
         self.label = policy.label()
         self._chains = parse_router(config.routing).uses_prefix and len(config.backends) > 1
         """The router reads prompts' block chains and has a choice to make: each job gets one
-        (`gateway.routing`)."""
+        (`gateway.scheduling.routing`)."""
         self._admission = Admission(
             self.classes, config.max_waiting, config.retry_after_s, self.waiting
         )
@@ -249,7 +252,8 @@ class Dispatcher:
         )
 
     def slot(self, job: Job) -> LocalSlot:
-        """`job`'s slot: `async with dispatcher.slot(job) as slot` admits it (`gateway.slot`)."""
+        """`job`'s slot: `async with dispatcher.slot(job) as slot` admits it
+        (`gateway.scheduling.slot`)."""
         return LocalSlot(self, job)
 
     def resized(self, job: Job) -> None:
@@ -261,7 +265,8 @@ class Dispatcher:
 
     def _admit(self, slot: LocalSlot) -> None:
         """Admit a new job into its model's queue, or raise `QueueFull` / `Shed`
-        (`gateway.classes.Admission`); a full queue may evict a less urgent waiting job."""
+        (`gateway.scheduling.classes.Admission`); a full queue may evict a less urgent waiting
+        job."""
         job = slot.job
         ticket: Ticket = job.ctx
         klass = ticket.klass

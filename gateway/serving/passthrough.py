@@ -6,7 +6,8 @@ vLLM's own queue is FCFS: they are admitted first come, first served, i.e. forwa
 to the least-loaded healthy backend that serves the body's `model` (any healthy backend when
 the body names none), without taking one of the in-flight slots that hold the generation
 backlog. (The generating routes, `/v1/chat/completions`, `/v1/completions` and
-`/v1/responses`, are queued under the policy by `gateway.app` and `gateway.relay`.) Auth and
+`/v1/responses`, are queued under the policy by `gateway.serving.app` and `gateway.serving.relay`.)
+Auth and
 the body limit are those of chat; a connection failure or a 5xx before any byte is retried on
 another backend (`max_retries`); the backend's other answers pass through with their status,
 errors in OpenAI's JSON form (`UpstreamRejected`). The handler records one `Outcome`.
@@ -20,8 +21,6 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from gateway.backends import Backend, BackendPool
-from gateway.backpressure import BoundedStream, ClientTooSlow
 from gateway.config import GatewayConfig
 from gateway.errors import (
     MethodNotAllowed,
@@ -32,7 +31,9 @@ from gateway.errors import (
     UpstreamFailed,
     UpstreamRejected,
 )
-from gateway.metrics import RequestTrace
+from gateway.observability.metrics import RequestTrace
+from gateway.scheduling.backends import Backend, BackendPool
+from gateway.serving.backpressure import BoundedStream, ClientTooSlow
 
 GATEWAY_PATHS = frozenset(
     {
@@ -53,7 +54,7 @@ HOP_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 )
 
-log = logging.getLogger("sagesched.gateway.passthrough")
+log = logging.getLogger("sagesched.gateway.serving.passthrough")
 
 
 def reserved(path: str) -> bool:

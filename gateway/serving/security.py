@@ -17,7 +17,7 @@
   request: logged at DEBUG and counted in `sagesched_connections_cut_total{reason}`. A body
   must arrive within `body_timeout_s` of its headers (`limits_middleware`): that is a
   request, answered 408 `body_timeout` (outcome rejected), and its connection is closed.
-  Slow readers of a stream: `gateway.backpressure`.
+  Slow readers of a stream: `gateway.serving.backpressure`.
 - `admin_listen`: the admin routes (`/admin/*`) are served only on their own address (e.g. a
   loopback or cluster-internal one), and the public address answers them 404; the admin
   address answers nothing else. `/metrics` stays on the public address, where the deployments'
@@ -40,7 +40,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway.config import GatewayConfig
 from gateway.errors import BodyTimeout, HeadersTooLarge, NotFoundRoute, UriTooLong
 
-log = logging.getLogger("sagesched.gateway.security")
+log = logging.getLogger("sagesched.gateway.serving.security")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

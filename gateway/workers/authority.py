@@ -3,7 +3,7 @@
 It owns what must be one per host: the backend pool (health checks, model discovery, the
 self-tuning cap's scrapes, in-flight accounting) and the dispatcher (one `policies.Scheduler`
 per model), so the policy orders all of the host's traffic as one process would. Workers
-connect over a Unix-domain socket (`gateway.wire` lists the messages) and hold each of their
+connect over a Unix-domain socket (`gateway.workers.wire` lists the messages) and hold each of their
 requests' slots here: the authority drives one `LocalSlot` per remote request, exactly as
 the relay drives one in a single process, and turns what happens to it into messages: the
 grant, the next review point, a preemption, a timeout or shed error.
@@ -28,14 +28,14 @@ from typing import Any
 
 import aiohttp
 
-from gateway import wire
-from gateway.backends import BackendPool
 from gateway.config import GatewayConfig
-from gateway.dispatcher import Dispatcher, LocalSlot
 from gateway.errors import GatewayError
-from gateway.metrics import GatewayMetrics, RequestTrace, merge_expositions
-from gateway.openai_api import Call
-from gateway.slot import Attempt, Grant, PreemptWindow
+from gateway.observability.metrics import GatewayMetrics, RequestTrace, merge_expositions
+from gateway.scheduling.backends import BackendPool
+from gateway.scheduling.dispatcher import Dispatcher, LocalSlot
+from gateway.scheduling.slot import Attempt, Grant, PreemptWindow
+from gateway.serving.openai_api import Call
+from gateway.workers import wire
 from policies import Job, parse_policy
 from policies.routing import parse_router
 
