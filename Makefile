@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo lint typecheck unit timing bench-policies clean vllm-env system-deps lock soak
+.PHONY: test test-fast demo docs lint typecheck unit timing bench-policies clean vllm-env system-deps lock soak
 
 # Versions are pinned by requirements.lock (constraints: only what pyproject.toml asks for is
 # installed, at the locked version); `make lock` refreshes it from the venv.
@@ -26,6 +26,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# The docs site (mkdocs-material over docs/, into site/): strict, so a broken link or anchor
+# between pages, or a page missing from the navigation, fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The timing tests (marker `timing`: fidelity and validation against the real vLLM CPU build)
 # run first, in their own pytest process, so that no other test's server or child is alive
@@ -60,12 +65,12 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	else echo "please install the Debian packages:" $$missing; exit 1; fi
 
-# `make test`: lint, types, the timing tests alone, then the other tests with the 10-minute
-# soak (`make soak`, below) beside them. The soak is light (~10 % of one core with its
+# `make test`: lint, types, the docs site, the timing tests alone, then the other tests with
+# the 10-minute soak (`make soak`, below) beside them. The soak is light (~10 % of one core with its
 # emulator and client) and judges memory, descriptors and counts, not time, so the two can
 # share the machine; one after the other would take ~12 minutes more. Both must pass; the
 # soak's table is printed after the tests.
-test: lint typecheck system-deps vllm-env timing
+test: lint typecheck docs system-deps vllm-env timing
 	@log=$$(mktemp); $(MAKE) --no-print-directory soak >$$log 2>&1 & soak=$$!; \
 	$(BIN)/pytest -m "not timing"; tests=$$?; \
 	wait $$soak; soaked=$$?; echo "--- make soak (beside the tests) ---"; cat $$log; rm -f $$log; \
@@ -95,4 +100,4 @@ lock: $(STAMP)
 	mv $(LOCK).new $(LOCK)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
