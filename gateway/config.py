@@ -146,6 +146,28 @@ class CaptureSettings:
 
 
 @dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry traces of every request (`gateway.observability.tracing`); off unless
+    `enabled`. Unset fields fall back to the standard `OTEL_*` variables (`OTEL_SERVICE_NAME`,
+    `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`,
+    `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, `OTEL_TRACES_SAMPLER_ARG`), then to the defaults."""
+
+    enabled: bool = False
+    endpoint: str | None = None
+    """Where spans go: an OTLP collector (http/protobuf: `http://host:4318/v1/traces`;
+    grpc: `http://host:4317`). None: the `OTEL_*` variables, else the exporter's default."""
+    protocol: str | None = None
+    """`http/protobuf` or `grpc` (None: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else http)."""
+    sample_ratio: float | None = None
+    """Share of new traces recorded (a request that arrives with a sampled `traceparent`
+    follows its parent). None: `OTEL_TRACES_SAMPLER_ARG`, else 1."""
+    service_name: str | None = None
+    """None: `OTEL_SERVICE_NAME`, else `sagesched-gateway`."""
+    max_queue: int = 2048
+    """Spans waiting for export; beyond it a span is dropped and counted."""
+
+
+@dataclass(frozen=True)
 class TrafficClass:
     """One request class (`gateway.scheduling.classes`): its band and what it is promised."""
 
@@ -326,6 +348,7 @@ class GatewayConfig:
     adaptive_cap: AdaptiveCapConfig = field(default_factory=AdaptiveCapConfig)
     tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
     capture: CaptureSettings = field(default_factory=CaptureSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
     predictor: PredictorSettings = field(default_factory=PredictorSettings)
     classes: ClassesSettings = field(default_factory=ClassesSettings)
     shared_learning: SharedLearningSettings = field(default_factory=SharedLearningSettings)
@@ -446,6 +469,15 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError("replicas: need 0 <= index < count <= number of backends")
     if config.tokenizer.timeout_s <= 0 or config.tokenizer.cache_entries < 0:
         raise ConfigError("tokenizer.timeout_s must be > 0 and tokenizer.cache_entries >= 0")
+    tracing = config.tracing
+    if tracing.protocol not in (None, "http/protobuf", "grpc"):
+        raise ConfigError(
+            f"tracing.protocol must be http/protobuf or grpc, not {tracing.protocol!r}"
+        )
+    if tracing.sample_ratio is not None and not 0 <= tracing.sample_ratio <= 1:
+        raise ConfigError("tracing.sample_ratio must be within [0, 1]")
+    if tracing.max_queue < 1:
+        raise ConfigError("tracing.max_queue must be >= 1")
     cap = config.capture
     if cap.max_file_mb <= 0 or cap.max_files < 1 or cap.queue < 1:
         raise ConfigError("capture needs max_file_mb > 0, max_files >= 1 and queue >= 1")

@@ -117,6 +117,18 @@ class RequestTrace:
     status: int = 200
     klass: str = ""
     """The request's class (`gateway.scheduling.classes`), once resolved."""
+    accepted: float | None = None
+    """When step 1 (accept) ended."""
+    predicted: float | None = None
+    """When step 2 (predict) ended."""
+    queue_depth: int | None = None
+    """Jobs of its model waiting when it was admitted."""
+    attempts: int = 0
+    """Upstream requests made for it (retries and resumed continuations included)."""
+    span: Any = None
+    """Its OpenTelemetry span (`gateway.observability.tracing`; None: not traced)."""
+    relay_span: Any = None
+    """Step 4's span, once granted a backend."""
     tenant: str = ""
     """Who the request is billed to (never a label as is: hashed, top tenants only)."""
 
@@ -304,6 +316,10 @@ class GatewayMetrics:
     def watch(self, pool: BackendPool, dispatcher: QueueCounts) -> None:
         """Export the pool's and the dispatcher's state (read at scrape time, see `_Live`)."""
         self.live.pool, self.live.dispatcher = pool, dispatcher
+
+    def watch_tracing(self, dropped: Callable[[], int]) -> None:
+        """Expose the spans tracing lost (queue full or export failed), read at scrape time."""
+        self.registry.register(_Dropped(dropped))
 
     def watch_shared_learning(self, stats: Callable[[], Mapping[str, float]]) -> None:
         """Expose shared learning's plain numbers (`predictor.shared.SharedLearning.stats`),
@@ -517,6 +533,21 @@ class _CacheLookups(Collector):
         )
         family.add_metric(("hit",), hits)
         family.add_metric(("miss",), misses)
+        yield family
+
+
+class _Dropped(Collector):
+    """`sagesched_tracing_spans_dropped_total`: spans the tracer could not queue or export."""
+
+    def __init__(self, dropped: Callable[[], int]) -> None:
+        self._dropped = dropped
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "sagesched_tracing_spans_dropped",
+            "Spans tracing lost: its export queue was full or the collector failed.",
+        )
+        family.add_metric((), self._dropped())
         yield family
 
 

@@ -272,8 +272,10 @@ class Dispatcher:
         klass = ticket.klass
         victim = self._admission.admit(job, klass)
         model = ticket.call.model
+        scheduler = self.scheduler(model)
+        ticket.trace.queue_depth = len(scheduler.queue)
         try:
-            self.scheduler(model).admit(job, self._clock())
+            scheduler.admit(job, self._clock())
         except BaseException:
             self._admission.left(job, klass)
             raise

@@ -72,6 +72,7 @@ from policies import Job, Policy, parse_policy
 from policies.routing import parse_router
 
 if TYPE_CHECKING:
+    from gateway.observability.tracing import Tracing
     from predictor import LengthPredictor
 
 log = logging.getLogger("sagesched.gateway")
@@ -94,6 +95,8 @@ class GatewayState:
     """Counts queued prompts with the backends' tokenizers (None: characters / 4 only)."""
     capture: CaptureWriter | None = None
     """Records every settled request to files (`serve --capture DIR`; None: off)."""
+    tracing: Tracing | None = None
+    """OpenTelemetry spans of every request (`tracing:`; None: off)."""
 
     @property
     def predictor(self) -> LengthPredictor | None:
@@ -217,6 +220,11 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         metrics.watch_shared_learning(prediction.shared.stats)
     relay = Relay(session, dispatcher, config)
     state = GatewayState(config, metrics, pool, dispatcher, relay, prediction, counter)
+    if config.tracing.enabled:
+        from gateway.observability.tracing import Tracing
+
+        state.tracing = relay.tracing = tracer = Tracing(config.tracing)
+        metrics.watch_tracing(lambda: tracer.dropped)
     writer: asyncio.Task[None] | None = None
     if config.capture.dir is not None:
         state.capture = CaptureWriter(config.capture, metrics.count_capture)
@@ -237,6 +245,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
                 await writer
         await pool.stop()
         await session.close()
+        if state.tracing is not None:  # the last spans, bounded, off the loop
+            await asyncio.to_thread(state.tracing.shutdown)
 
 
 async def _drain(app: web.Application) -> None:
@@ -292,9 +302,11 @@ async def _serve(
 ) -> web.StreamResponse:
     job = await accept(state, request, kind, trace)  # 1
     request[JOB] = job  # settling reads it (step 5)
+    trace.accepted = time.monotonic()
     sizing = state.prediction.size(job)  # beside steps 2 and 3
     try:
         await state.prediction.predict(job)  # 2
+        trace.predicted = time.monotonic()
         return await state.relay.serve(request, job)  # 3 (Dispatcher.slot) and 4
     finally:
         if sizing is not None and not sizing.done():
@@ -311,6 +323,9 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
         trace = RequestTrace(
             model=UNKNOWN_MODEL, arrived=time.monotonic(), policy=state.dispatcher.label
         )
+        if state.tracing is not None:
+            name = f"{request.method} {request.path}"
+            trace.span = state.tracing.begin(request.headers, name, trace.arrived)
         drain, task = request.app[DRAIN], asyncio.current_task()
         if task is not None:
             drain.active.add(task)
@@ -413,6 +428,8 @@ def settle(state: GatewayState, trace: RequestTrace, job: Job | None) -> None:
         state.capture.offer(trace, None if job is None else job.ctx)
     if job is not None and trace.outcome is Outcome.COMPLETED:
         state.prediction.learn(job)
+    if state.tracing is not None:
+        state.tracing.finish(trace, job)
 
 
 async def _read(state: GatewayState, request: web.Request) -> bytes:

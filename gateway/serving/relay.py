@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -33,6 +33,9 @@ from gateway.scheduling.slot import Attempt, Grant, Slot
 from gateway.serving.backpressure import BoundedStream, ClientTooSlow
 from gateway.serving.openai_api import PATHS, upstream_body
 from policies import Job
+
+if TYPE_CHECKING:
+    from gateway.observability.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,8 @@ class Relay:
         self._session = session
         self._dispatcher = dispatcher
         self._config = config
+        self.tracing: Tracing | None = None
+        """Spans for step 4 and each attempt (`gateway.observability.tracing`; None: off)."""
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
         )
@@ -136,12 +141,28 @@ class Relay:
             grant = await slot.granted()
             if trace.dispatched is None:
                 trace.dispatched = time.monotonic()
+                if self.tracing is not None and trace.span is not None:
+                    trace.relay_span = self.tracing.relay(trace.span, trace.dispatched)
             trace.backend = grant.backend.name
+            trace.attempts += 1
+            span, headers = None, grant.backend.headers()
+            if self.tracing is not None and trace.relay_span is not None:
+                span, carrier = self.tracing.attempt(
+                    trace.relay_span, trace.backend, trace.attempts
+                )
+                headers = {**headers, **carrier}
+            ended = "failed"  # the attempt span's result, unless it ends as below
             try:
-                result = await self._attempt(request, slot, grant, state)
+                result = await self._attempt(request, slot, grant, state, headers)
+                ended = result.value
             except _Retryable as exc:
+                ended = Attempt.RETRY.value
                 slot.ended(Attempt.RETRY, backend_down=exc.down)
                 continue
+            finally:
+                if span is not None:
+                    span.set_attribute("sagesched.result", ended)
+                    span.end()
             slot.ended(result)
             if result is Attempt.COMPLETED:
                 return
@@ -149,7 +170,12 @@ class Relay:
             state.segments += 1
 
     async def _attempt(
-        self, request: web.Request, slot: Slot, grant: Grant, state: StreamState
+        self,
+        request: web.Request,
+        slot: Slot,
+        grant: Grant,
+        state: StreamState,
+        headers: dict[str, str],
     ) -> Attempt:
         """One upstream request: COMPLETED, or PREEMPTED (the slot's window was preempted);
         `_Retryable` when the backend failed before answering."""
@@ -162,7 +188,7 @@ class Relay:
             resp = await self._session.post(
                 backend.url + PATHS[call.kind],
                 json=body,
-                headers=backend.headers(),
+                headers=headers,
                 timeout=self._timeout,
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
