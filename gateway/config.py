@@ -385,6 +385,7 @@ _ENV_KEYS = {
     "REDIS_URL": "shared_learning.redis_url",
     "REPLICA_ID": "shared_learning.replica_id",
     "SHUTDOWN_GRACE_S": "shutdown_grace_s",
+    "TRACING": "tracing.enabled",
 }
 
 

@@ -65,6 +65,7 @@ def record_of(trace: RequestTrace, now_wall: float, now_mono: float) -> dict[str
         "policy": trace.policy,
         "class": trace.klass or None,
         "tenant": tenant_id(trace.tenant, 16) if trace.tenant else None,  # a pseudonym only
+        "trace_id": trace.trace_id,
     }
 
 

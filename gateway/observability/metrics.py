@@ -26,6 +26,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
 from gateway.errors import Outcome
@@ -127,6 +129,9 @@ class RequestTrace:
     """Upstream requests made for it (retries and resumed continuations included)."""
     span: Any = None
     """Its OpenTelemetry span (`gateway.observability.tracing`; None: not traced)."""
+    trace_id: str | None = None
+    """Its trace's id (32 hex digits) when the trace is sampled: the TTFT histogram's
+    exemplar and the capture record carry it."""
     relay_span: Any = None
     """Step 4's span, once granted a backend."""
     tenant: str = ""
@@ -343,7 +348,8 @@ class GatewayMetrics:
         if t.first_token is None or not t.backend:
             return
         labels = (t.model, t.backend, t.policy)
-        self.ttft.labels(*labels).observe(t.first_token - t.arrived)
+        exemplar = None if t.trace_id is None else {"trace_id": t.trace_id}
+        self.ttft.labels(*labels).observe(t.first_token - t.arrived, exemplar)
         itl = self.itl.labels(*labels)
         for gap in t.gaps_s:
             itl.observe(gap)
@@ -388,9 +394,12 @@ class GatewayMetrics:
         """One traffic-capture record `written` or `dropped` (`gateway.observability.capture`)."""
         self.capture_records.labels(result).inc()
 
-    def exposition(self) -> bytes:
-        """The text exposition format of every series."""
-        return generate_latest(self.registry)
+    def exposition(self, openmetrics: bool = False) -> tuple[bytes, str]:
+        """Every series and their content type: Prometheus text, or OpenMetrics (which
+        carries the TTFT histogram's exemplars: the trace ids of sampled requests)."""
+        if openmetrics:
+            return openmetrics_latest(self.registry), OPENMETRICS  # type: ignore[no-untyped-call]
+        return generate_latest(self.registry), CONTENT_TYPE
 
 
 class _Live(Collector):

@@ -143,6 +143,12 @@ class Tracing:
             start_time=self._ns(arrived),
         )  # fmt: skip
 
+    @staticmethod
+    def trace_id(span: otel.Span) -> str | None:
+        """The span's trace id in hex when it is sampled (recorded and exported), else None."""
+        context = span.get_span_context()
+        return format(context.trace_id, "032x") if context.trace_flags.sampled else None
+
     def relay(self, request: otel.Span, dispatched: float) -> otel.Span:
         """Step 4's span, from the first grant to the end of the last attempt."""
         return self._tracer.start_span(

@@ -49,7 +49,7 @@ from gateway.errors import (
     sse_error_event,
 )
 from gateway.observability.capture import CaptureWriter
-from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics, RequestTrace
+from gateway.observability.metrics import GatewayMetrics, RequestTrace
 from gateway.prediction.predict import Prediction
 from gateway.scheduling.backends import BackendPool, curve_view
 from gateway.scheduling.classes import CLASS_HEADER
@@ -326,6 +326,7 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
         if state.tracing is not None:
             name = f"{request.method} {request.path}"
             trace.span = state.tracing.begin(request.headers, name, trace.arrived)
+            trace.trace_id = state.tracing.trace_id(trace.span)
         drain, task = request.app[DRAIN], asyncio.current_task()
         if task is not None:
             drain.active.add(task)
@@ -479,8 +480,12 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.exposition()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    """Prometheus text; OpenMetrics (with the TTFT exemplars) when tracing is on and the
+    scraper asks for it."""
+    state = request.app[STATE]
+    openmetrics = state.tracing is not None and "openmetrics" in request.headers.get("Accept", "")
+    body, content_type = state.metrics.exposition(openmetrics)
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 def _admin(request: web.Request) -> GatewayState:

@@ -411,7 +411,7 @@ class Authority:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(done), SCRAPE_TIMEOUT_S)
         self._scrapes.pop(sid, None)
-        return merge_expositions(self.metrics.exposition(), [*texts, self._retired])
+        return merge_expositions(self.metrics.exposition()[0], [*texts, self._retired])
 
     def _scraped(self, conn: WorkerConn, msg: wire.Message) -> None:
         conn.exposition = msg["text"].encode()

@@ -395,7 +395,7 @@ def create_worker_app(
 
     async def expose(app: web.Application) -> AsyncIterator[None]:
         state = app[STATE]
-        link.own_exposition = state.metrics.exposition
+        link.own_exposition = lambda: state.metrics.exposition()[0]
         yield
 
     app.cleanup_ctx.append(expose)

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+from pathlib import Path
 
+import aiohttp
 import openai
 from aiohttp import web
 from fixtures.gateway_fixtures import StartGateway
 from fixtures.otlp_receiver import ReceivedSpan, StartOtlpReceiver
 from fixtures.scrape import scrape, total
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from loadgen.emulator import EmulatorConfig, create_app, make_runner
 from loadgen.procs import free_port
@@ -42,15 +46,30 @@ def children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> dict[str, Recei
     return {s.name: s for s in spans if s.parent_span_id == parent.span_id}
 
 
+async def exemplar_trace_ids(url: str) -> set[str]:
+    """The trace ids on the TTFT histogram's exemplars (OpenMetrics, as Prometheus asks)."""
+    headers = {"Accept": "application/openmetrics-text; version=1.0.0"}
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics", headers=headers) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = await r.text()
+    return {
+        sample.exemplar.labels["trace_id"]
+        for family in text_string_to_metric_families(text)
+        if family.name == "sagesched_time_to_first_token_seconds"
+        for sample in family.samples
+        if sample.exemplar is not None
+    }
+
+
 async def test_five_steps_under_the_callers_trace(
-    start_gateway: StartGateway, start_otlp_receiver: StartOtlpReceiver
+    start_gateway: StartGateway, start_otlp_receiver: StartOtlpReceiver, tmp_path: Path
 ) -> None:
     receiver = await start_otlp_receiver()
     seen: list[dict[str, str]] = []
     runner, backend = await emulator_recording_headers(seen)
+    tracing = {"enabled": True, "endpoint": receiver.endpoint, "service_name": "gw-under-test"}
     try:
-        gw = await start_gateway([backend], tracing={"enabled": True, "endpoint": receiver.endpoint,
-                                 "service_name": "gw-under-test"})  # fmt: skip
+        gw = await start_gateway([backend], tracing=tracing, capture={"dir": str(tmp_path)})
         async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as c:
             stream = await c.chat.completions.create(
                 model="tiny-llama", messages=[{"role": "user", "content": "Tell me about tea."}],
@@ -60,6 +79,8 @@ async def test_five_steps_under_the_callers_trace(
             usage = None
             async for chunk in stream:
                 usage = chunk.usage or usage
+            # a slow request is found from its TTFT bucket: the exemplar is its trace
+            assert await exemplar_trace_ids(gw.url) == {CALLER_TRACE}
             await c.completions.create(model="tiny-llama", prompt="Hello", max_tokens=4)
         await gw.stop()  # flushes the spans (bounded), as a stopping gateway does
     finally:
@@ -98,6 +119,11 @@ async def test_five_steps_under_the_callers_trace(
     plain = next(s for s in requests if s.name == "POST /v1/completions")
     assert plain.trace_id != CALLER_TRACE and plain.parent_span_id == ""
     assert plain.attributes["gen_ai.operation.name"] == "text_completion"
+    # ... or from its capture record
+    records = [
+        json.loads(x) for f in tmp_path.glob("capture-*.jsonl") for x in f.read_text().split()
+    ]
+    assert sorted(r["trace_id"] for r in records) == sorted([CALLER_TRACE, plain.trace_id])
 
 
 async def test_a_collector_that_is_down_costs_only_counted_spans(

@@ -117,7 +117,7 @@ def test_known_labels_are_the_same_series_as_new_ones() -> None:
     assert m.requests.labels("m", "fcfs", "completed", 200) is first  # converted, same child
     first.inc()
     m.requests.labels(model="m", policy="fcfs", outcome="completed", code="200").inc()
-    text = m.exposition().decode()
+    text = m.exposition()[0].decode()
     line = 'sagesched_requests_total{code="200",model="m",outcome="completed",policy="fcfs"}'
     assert f"{line} 2.0" in text
     with pytest.raises(ValueError):  # a wrong labelset still fails as prometheus-client's

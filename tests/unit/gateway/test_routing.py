@@ -143,7 +143,7 @@ async def test_decisions_are_counted_by_reason_with_the_tokens_expected_cached()
         assert pool.cached_tokens[("m", b0)] == turns[1].cached_tokens > 0
         samples = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(metrics.exposition().decode())
+            for family in text_string_to_metric_families(metrics.exposition()[0].decode())
             for s in family.samples
         }
         labels = (("backend", b0), ("model", "m"), ("reason", "affinity"), ("router", "prefix"))
