@@ -51,7 +51,7 @@ import sys
 import time
 import urllib.request
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar
@@ -209,13 +209,16 @@ class RealVllm:
         cpus: Collection[int] | None = None,
         isa: str = "native",
         dev_mode: bool = False,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        """`dev_mode`: vLLM's development endpoints (`POST /reset_prefix_cache`, ...)."""
+        """`dev_mode`: vLLM's development endpoints (`POST /reset_prefix_cache`, ...);
+        `env`: more variables for the server (e.g. its `OTEL_*` settings)."""
         if executor not in ("uni", "mp"):
             raise ValueError(f"executor must be 'uni' or 'mp', not {executor!r}")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
         self.executor, self.isa, self.dev_mode = executor, isa, dev_mode
+        self.env = dict(env or {})
         self.cpus = sorted(cpus) if cpus else None
         self.priority = priority
         self.port = port or free_port()
@@ -250,6 +253,7 @@ class RealVllm:
                "VLLM_ENABLE_V1_MULTIPROCESSING": in_process}  # fmt: skip
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.update(self.env)
         cpus = self.cpus
         if cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))

@@ -73,3 +73,16 @@ def test_capture_is_off_by_default_and_set_by_flag_or_yaml() -> None:
     assert load(None, overrides(args), {}).capture.dir == "/tmp/c"
     with pytest.raises(ConfigError, match="capture"):
         build({**base, "capture": {"dir": "/tmp/c", "max_files": 0}})
+
+
+def test_tracing_is_off_by_default_and_checked() -> None:
+    from gateway.config import apply_env
+
+    base = {"backends": [{"url": "http://x"}]}
+    assert not build(base).tracing.enabled
+    assert build(apply_env(base, {"SAGESCHED_TRACING": "true"})).tracing.enabled
+    on = build({**base, "tracing": {"enabled": True, "sample_ratio": 0.01, "protocol": "grpc"}})
+    assert on.tracing.sample_ratio == 0.01 and on.tracing.protocol == "grpc"
+    for bad in ({"protocol": "udp"}, {"sample_ratio": 1.5}, {"max_queue": 0}):
+        with pytest.raises(ConfigError, match="tracing"):
+            build({**base, "tracing": bad})
