@@ -57,6 +57,13 @@ def panel(
     }
 
 
+def traced(p: dict[str, Any]) -> dict[str, Any]:
+    """The panel with exemplars on its queries (the trace ids of single requests)."""
+    for t in p["targets"]:
+        t["exemplar"] = True
+    return p
+
+
 def row(title: str, y: int, repeat: str | None = None) -> dict[str, Any]:
     """A row; with `repeat`, Grafana draws it and its panels once per value of that variable."""
     out = {"type": "row", "title": title, "collapsed": False, "panels": [],
@@ -214,8 +221,15 @@ def panels() -> list[dict[str, Any]]:
                (f"instance_model_name:vllm:prefix_cache_hits:ratio_rate1m{{{VLLM}}}",
                 "vLLM {{instance}}")], "percentunit", (12, 84, 12, 8),
               overrides=[dashed("vLLM .*")]),
+        row("Traces", 92),
+        traced(panel("Slow first tokens, with their traces",
+              "p99 time to first token from the raw histogram; the dots are exemplars: one "
+              "request's trace id (tracing on, Prometheus with exemplar storage), a link to "
+              "its trace in Jaeger.",
+              [(f"histogram_quantile(0.99, sum by (le) (rate({ttft}_bucket{{{MP}}}"
+                "[$__rate_interval])))", "p99")], "s", (0, 93, 24, 8))),
     ]  # fmt: skip
-    out += class_row(92)
+    out += class_row(101)
     for i, p in enumerate(out, start=1):
         p["id"] = i
     return out

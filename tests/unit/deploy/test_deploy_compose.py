@@ -23,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = ROOT / "deploy" / "compose"
 STACKS = {"gpu": ["compose.gpu.yml"], "cpu": ["compose.cpu.yml"],
           "cpu-vllm": ["compose.cpu.yml", "compose.cpu-vllm.yml"]}  # fmt: skip
-SERVICES = {"vllm", "gateway", "gateway-2", "redis", "prometheus", "grafana"}
+SERVICES = {"vllm", "gateway", "gateway-2", "redis", "prometheus", "grafana", "otel-collector",
+            "jaeger"}  # fmt: skip
 REPLICAS = ("gateway", "gateway-2")
+DISTROLESS = {"otel-collector", "jaeger"}
+"""Images with no client to probe with, so no healthcheck; nothing waits on them."""
 
 
 def interpolate(value: Any) -> Any:
@@ -64,6 +67,11 @@ def test_stack_has_every_service_with_a_healthcheck(stack: str) -> None:
     assert set(services) == SERVICES
     for name, svc in services.items():
         assert "image" in svc, name
+        if name in DISTROLESS:
+            assert "healthcheck" not in svc, name
+            assert all(name not in (s.get("depends_on") or {}) for s in services.values()
+                       if s is not services["otel-collector"])  # fmt: skip
+            continue
         assert svc["healthcheck"]["test"][0] == "CMD", name
     assert services["gateway"]["ports"] == ["8080:8080"]
     assert services["gateway-2"]["ports"] == ["8081:8080"]
@@ -253,3 +261,28 @@ def test_dockerfile_runs_sagesched_serve_with_real_flags() -> None:
                 assert (ROOT / source).exists(), source
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_traces_go_through_the_collector_to_jaeger(stack: str) -> None:
+    services = merged(STACKS[stack])["services"]
+    collector = yaml.safe_load((COMPOSE / "../otel/collector.yaml").read_text())
+    mount = services["otel-collector"]["volumes"][0].split(":")
+    assert (COMPOSE / mount[0]).resolve() == (COMPOSE / "../otel/collector.yaml").resolve()
+    assert services["otel-collector"]["command"] == [f"--config={mount[1]}"]
+    assert collector["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    assert collector["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
+    http = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    for name in REPLICAS:
+        config = replica_config(services[name])
+        env = services[name]["environment"]
+        assert config.tracing.enabled
+        endpoint = urlsplit(env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
+        assert (endpoint.hostname, endpoint.port) == ("otel-collector", int(http.split(":")[1]))
+    assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
+    vllm = services["vllm"]["command"]
+    if "--otlp-traces-endpoint" in vllm:  # the real vLLM (the emulator does not trace)
+        grpc = collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].split(":")[1]
+        assert vllm[vllm.index("--otlp-traces-endpoint") + 1] == f"http://otel-collector:{grpc}"
+    else:
+        assert stack == "cpu"
