@@ -19,7 +19,10 @@ What routing costs: `--routings least-loaded,prefix,sagesched --backends 8 --pro
 zero-compute server) and prints each router's CPU per request and what it adds over
 least-loaded (the prompt's chain, the decision over 8 backends, the index update). To
 compare two versions of the gateway, run it from a `git worktree` of each (the gateway process
-imports the code of the current directory).
+imports the code of the current directory). What tracing costs: `--tracings off,1,0.01
+--policies fcfs` runs the gateway with tracing off, then on at each sample ratio, exporting over
+OTLP/HTTP to a receiver on the client's core (`RECEIVER`: reads each export, answers 200), and
+prints each one's CPU per request and its ratio to tracing off.
 """
 
 from __future__ import annotations
@@ -148,8 +151,13 @@ def nginx(backend: int, tmp: str) -> Proxy:
     return start
 
 
-def gateway(backend: int | list[int], policy: str, routing: str | None = None) -> Proxy:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def gateway(
+    backend: int | list[int],
+    policy: str,
+    routing: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> Proxy:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(extra_env or {})}
 
     def start() -> tuple[int, AbstractContextManager[int]]:
         port = free_port()
@@ -199,6 +207,56 @@ def routing_table(got: dict[str, dict[float, list[float]]], rates: list[float]) 
     return "\n".join(lines)
 
 
+RECEIVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Receiver(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Receiver).serve_forever()
+"""
+"""An OTLP/HTTP endpoint that takes every export and answers 200 (a collector's cheapest)."""
+
+
+def tracing_env(ratio: str, receiver: int) -> dict[str, str]:
+    """The gateway's environment for tracing `ratio` ("off" or a sample ratio)."""
+    if ratio == "off":
+        return {}
+    endpoint = f"http://127.0.0.1:{receiver}/v1/traces"
+    return {"SAGESCHED_TRACING": "true", "OTEL_TRACES_SAMPLER_ARG": ratio,
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}  # fmt: skip
+
+
+def tracing_table(got: dict[str, dict[float, list[float]]], rates: list[float]) -> str:
+    """One row per rate: CPU ms/request with tracing off and at each sample ratio (range over
+    repeats), and each ratio's median over tracing off's."""
+    med = {p: {r: sorted(v)[len(v) // 2] for r, v in cells.items()} for p, cells in got.items()}
+    others = [name for name in got if name != "off"]
+    head = ["rate req/s", "tracing off CPU ms/request"]
+    head += [h for name in others for h in (f"sample {name} CPU ms/request", f"{name} / off")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in rates:
+        row = [f"{r:g}", span(got["off"][r])]
+        for name in others:
+            row += [span(got[name][r]), f"{med[name][r] / med['off'][r]:.3f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="20,40", help="requests per second, comma-separated")
@@ -208,6 +266,8 @@ def main() -> None:
     ap.add_argument("--client-core", type=int, default=1, help="this client's core (-1: any)")
     ap.add_argument("--routings", help="compare these routers (least-loaded first) behind "
                     "the first policy instead of nginx and the policies")  # fmt: skip
+    ap.add_argument("--tracings", help="compare tracing off and these sample ratios (off "
+                    "first, e.g. off,1,0.01) behind the first policy")  # fmt: skip
     ap.add_argument("--backends", type=int, default=1, help="backend addresses (one server)")
     ap.add_argument("--prompts", choices=sorted(PROMPTS), default="short",
                     help="short: distinct one-liners; shared: 16 system prompts of ~1,300 "
@@ -216,9 +276,12 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",")
     routings = args.routings.split(",") if args.routings else []
+    tracings = args.tracings.split(",") if args.tracings else []
     if routings and routings[0] != "least-loaded":
         ap.error("--routings starts with least-loaded (the baseline)")
-    if not routings and ("fcfs" not in policies or not shutil.which("nginx")):
+    if tracings and tracings[0] != "off":
+        ap.error("--tracings starts with off (the baseline)")
+    if not (routings or tracings) and ("fcfs" not in policies or not shutil.which("nginx")):
         ap.error("needs nginx (`make system-deps`) and fcfs among --policies")
     if args.client_core >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.client_core})  # beside the backend: core 0 is the proxy's
@@ -226,11 +289,16 @@ def main() -> None:
     health = f"http://127.0.0.1:{ports[0]}/health"
     prompt = PROMPTS[args.prompts]
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    receiver = free_port()
     with (
         tempfile.TemporaryDirectory() as tmp,
         process([PY, "-c", BACKEND, *map(str, ports)], 1, health),
+        process([PY, "-c", RECEIVER, str(receiver)], 1, f"http://127.0.0.1:{receiver}/"),
     ):
-        if routings:
+        if tracings:
+            proxies = {t: gateway(ports[0], policies[0], None, tracing_env(t, receiver))
+                       for t in tracings}  # fmt: skip
+        elif routings:
             proxies = {r: gateway(ports, policies[0], r) for r in routings}
         else:
             proxies = {"nginx": nginx(ports[0], tmp)}
@@ -238,7 +306,10 @@ def main() -> None:
         got = {name: measure(start, rates, args.seconds, args.repeat, prompt)
                for name, start in proxies.items()}  # fmt: skip
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(routing_table(got, rates) if routings else table(got, rates))
+    if tracings:
+        print(tracing_table(got, rates))
+    else:
+        print(routing_table(got, rates) if routings else table(got, rates))
 
 
 if __name__ == "__main__":
