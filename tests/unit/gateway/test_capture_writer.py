@@ -38,8 +38,8 @@ def test_record_holds_counts_and_times_only() -> None:
     assert (rec["prompt_tokens"], rec["output_tokens"], rec["outcome"]) == (12, 40, "completed")
     assert set(rec) == {"v", "arrival_s", "model", "prompt_tokens", "output_tokens", "ttft_s",
                         "ttlt_s", "outcome", "status", "backend", "policy", "class",
-                        "tenant"}  # fmt: skip
-    assert (rec["class"], rec["tenant"]) == (None, None)
+                        "tenant", "trace_id"}  # fmt: skip
+    assert (rec["class"], rec["tenant"], rec["trace_id"]) == (None, None, None)  # untraced
 
 
 def test_record_carries_the_class_and_a_tenant_pseudonym() -> None:
