@@ -9,8 +9,10 @@ core, which costs the proxy more than a wake-up on its own core), and the proxy 
 user + system CPU time of its processes (nginx: master and worker; the gateway: its one
 process) over the requests sent. CPU time, unlike wall-clock latency, moves little when other
 work shares the machine, so the figures compare across runs; `--repeat` measures each rate
-that many times per proxy and prints the range. SageSched's extra is the predictor: one
-embedding per prompt (MiniLM), the neighbour query and learning the true length.
+that many times per proxy and prints the range. The proxies run side by side and take turns,
+one measurement each, so a slow spell of the machine falls on all of them. SageSched's extra
+is the predictor: one embedding per prompt (MiniLM), the neighbour query and learning the
+true length.
 
 Run: `python bench/gateway_cpu.py [--rates 20,40] [--seconds 8] [--repeat 3]
 [--policies fcfs,sagesched] [--client-core 1]` (about a minute per proxy and repeat).
@@ -35,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -118,25 +120,31 @@ Proxy = Callable[[], tuple[int, AbstractContextManager[int]]]
 
 
 def measure(
-    start: Proxy,
+    proxies: dict[str, Proxy],
     rates: list[float],
     seconds: float,
     repeat: int,
     prompt: Callable[[int], Any] = short_prompt,
-) -> dict[float, list[float]]:
-    """CPU ms per request of the proxy's process tree, `repeat` times at each rate."""
-    out: dict[float, list[float]] = {r: [] for r in rates}
-    port, proxy = start()
-    with proxy as pid:
-        url = f"http://127.0.0.1:{port}"
-        asyncio.run(open_loop(url, rates[0], 2.0, prompt))  # warm-up: connections, caches
+) -> dict[str, dict[float, list[float]]]:
+    """CPU ms per request of each proxy's process tree, `repeat` times at each rate. The
+    proxies run side by side (an idle one costs nothing) and take turns, measurement by
+    measurement, so that a slow spell of the machine falls on all of them alike."""
+    out: dict[str, dict[float, list[float]]] = {name: {r: [] for r in rates} for name in proxies}
+    with ExitStack() as stack:
+        running = {}
+        for name, start in proxies.items():
+            port, proxy = start()
+            running[name] = (f"http://127.0.0.1:{port}", stack.enter_context(proxy))
+        for url, _ in running.values():
+            asyncio.run(open_loop(url, rates[0], 2.0, prompt))  # warm-up: connections, caches
         for _ in range(repeat):
             for rate in rates:
-                time.sleep(2.0)  # background work of the previous step settles
-                before = tree_cpu_s(pid)
-                n = asyncio.run(open_loop(url, rate, seconds, prompt))
-                time.sleep(2.0)  # the gateway's learning runs after the responses
-                out[rate].append((tree_cpu_s(pid) - before) * 1000 / n)
+                for name, (url, pid) in running.items():
+                    time.sleep(2.0)  # background work of the previous step settles
+                    before = tree_cpu_s(pid)
+                    n = asyncio.run(open_loop(url, rate, seconds, prompt))
+                    time.sleep(2.0)  # the gateway's learning runs after the responses
+                    out[name][rate].append((tree_cpu_s(pid) - before) * 1000 / n)
     return out
 
 
@@ -190,21 +198,45 @@ def table(got: dict[str, dict[float, list[float]]], rates: list[float]) -> str:
     return "\n".join(lines)
 
 
-def routing_table(got: dict[str, dict[float, list[float]]], rates: list[float]) -> str:
-    """One row per rate: each router's gateway CPU ms/request (range over repeats) and what
-    it adds over `least-loaded` (difference of the medians, µs/request)."""
+def against_baseline(
+    got: dict[str, dict[float, list[float]]],
+    rates: list[float],
+    baseline: str,
+    label: Callable[[str], str],
+    compare: Callable[[float, float], str],
+    heading: str,
+) -> str:
+    """One row per rate: the baseline's CPU ms/request and each other variant's (ranges over
+    repeats, headed `label(name)`), each with `compare(its median, the baseline's)` under
+    `heading` (formatted with `name` and `base`)."""
     med = {p: {r: sorted(v)[len(v) // 2] for r, v in cells.items()} for p, cells in got.items()}
-    others = [name for name in got if name != "least-loaded"]
-    head = ["rate req/s", "least-loaded CPU ms/request"]
-    head += [h for name in others for h in (f"{name} CPU ms/request", f"{name} − least-loaded µs")]
+    others = [name for name in got if name != baseline]
+    head = ["rate req/s", f"{label(baseline)} CPU ms/request"]
+    for name in others:
+        head += [f"{label(name)} CPU ms/request", heading.format(name=name, base=baseline)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rates:
-        row = [f"{r:g}", span(got["least-loaded"][r])]
+        row = [f"{r:g}", span(got[baseline][r])]
         for name in others:
-            extra = (med[name][r] - med["least-loaded"][r]) * 1000
-            row += [span(got[name][r]), f"{extra:+.0f}"]
+            row += [span(got[name][r]), compare(med[name][r], med[baseline][r])]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def added_us(value: float, base: float) -> str:
+    return f"{(value - base) * 1000:+.0f}"
+
+
+def ratio(value: float, base: float) -> str:
+    return f"{value / base:.3f}"
+
+
+def routing_table(got: dict[str, dict[float, list[float]]], rates: list[float]) -> str:
+    """Each router's gateway CPU ms/request and what it adds over `least-loaded` (difference
+    of the medians, µs/request)."""
+    return against_baseline(
+        got, rates, "least-loaded", lambda name: name, added_us, "{name} − {base} µs"
+    )
 
 
 RECEIVER = """
@@ -242,19 +274,12 @@ def tracing_env(ratio: str, receiver: int) -> dict[str, str]:
 
 
 def tracing_table(got: dict[str, dict[float, list[float]]], rates: list[float]) -> str:
-    """One row per rate: CPU ms/request with tracing off and at each sample ratio (range over
-    repeats), and each ratio's median over tracing off's."""
-    med = {p: {r: sorted(v)[len(v) // 2] for r, v in cells.items()} for p, cells in got.items()}
-    others = [name for name in got if name != "off"]
-    head = ["rate req/s", "tracing off CPU ms/request"]
-    head += [h for name in others for h in (f"sample {name} CPU ms/request", f"{name} / off")]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    for r in rates:
-        row = [f"{r:g}", span(got["off"][r])]
-        for name in others:
-            row += [span(got[name][r]), f"{med[name][r] / med['off'][r]:.3f}"]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    """CPU ms/request with tracing off and at each sample ratio, and each ratio's median over
+    tracing off's."""
+    return against_baseline(
+        got, rates, "off", lambda name: "tracing off" if name == "off" else f"sample {name}",
+        ratio, "{name} / {base}",
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -303,8 +328,7 @@ def main() -> None:
         else:
             proxies = {"nginx": nginx(ports[0], tmp)}
             proxies.update({p: gateway(ports[0], p) for p in policies})
-        got = {name: measure(start, rates, args.seconds, args.repeat, prompt)
-               for name, start in proxies.items()}  # fmt: skip
+        got = measure(proxies, rates, args.seconds, args.repeat, prompt)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if tracings:
         print(tracing_table(got, rates))

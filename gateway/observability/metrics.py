@@ -134,6 +134,8 @@ class RequestTrace:
     exemplar and the capture record carry it."""
     relay_span: Any = None
     """Step 4's span, once granted a backend."""
+    trace_headers: dict[str, str] | None = None
+    """The trace context an unsampled request carries upstream (no span of its own)."""
     tenant: str = ""
     """Who the request is billed to (never a label as is: hashed, top tenants only)."""
 

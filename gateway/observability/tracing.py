@@ -7,6 +7,11 @@ upstream in the same header, so vLLM (`--otlp-traces-endpoint`) puts its own spa
 trace. Attributes follow OpenTelemetry's GenAI semantic conventions where one applies
 (`gen_ai.request.model`, `gen_ai.usage.input_tokens`, ...) and `sagesched.*` for the rest.
 
+A request that is not sampled (its caller's `traceparent` says so, or the sample ratio's
+draw) makes no span at all: it only carries a trace context upstream, its caller's or a new
+unsampled one, so that vLLM records nothing of it either. At a ratio of 0.01 tracing then costs
+almost nothing per request (docs/benchmarks.md, "Tracing").
+
 Spans whose times are known only at the end (accept, predict, queue, settle) are made then,
 from the request's `RequestTrace` (monotonic seconds, converted to the epoch once per process);
 the request, relay and attempt spans are live, since their contexts go upstream. Export runs
@@ -18,16 +23,17 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace as otel
+from opentelemetry.context import Context
 from opentelemetry.propagate import extract, inject
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from gateway.config import TracingSettings
 
@@ -118,9 +124,9 @@ class Tracing:
         self._exporter = _Counting(exporter or make_exporter(settings))
         self._processor = _Bounded(self._exporter, settings.max_queue)
         self.ratio = sample_ratio(settings)
-        self._provider = TracerProvider(
-            resource=Resource.create({"service.name": service}),
-            sampler=ParentBased(TraceIdRatioBased(self.ratio)),
+        self._draw = random.Random()
+        self._provider = TracerProvider(  # its default sampler: children follow their parent
+            resource=Resource.create({"service.name": service})
         )
         self._provider.add_span_processor(self._processor)
         self._tracer = self._provider.get_tracer("sagesched.gateway")
@@ -136,12 +142,29 @@ class Tracing:
 
     # -- live spans -------------------------------------------------------------------------
 
-    def begin(self, headers: Mapping[str, str], name: str, arrived: float) -> otel.Span:
-        """The request's span, continuing the caller's `traceparent` if any."""
+    def begin(
+        self, headers: Mapping[str, str], name: str, arrived: float
+    ) -> tuple[otel.Span | None, dict[str, str]]:
+        """The request's span when it is sampled, else None and the trace context it carries
+        upstream unrecorded. A caller's `traceparent` decides (parent-based sampling); without
+        one, a draw at the sample ratio does."""
+        if "traceparent" in headers:
+            context = extract(headers)
+            parent = otel.get_current_span(context).get_span_context()
+            if parent.is_valid:
+                if not parent.trace_flags.sampled:
+                    return None, {k: headers[k] for k in PROPAGATED if k in headers}
+                return self._start(name, context, arrived), {}
+        if self.ratio < 1.0 and self._draw.random() >= self.ratio:
+            trace_id = self._draw.getrandbits(128) or 1
+            span_id = self._draw.getrandbits(64) or 1
+            return None, {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-00"}
+        return self._start(name, None, arrived), {}
+
+    def _start(self, name: str, context: Context | None, arrived: float) -> otel.Span:
         return self._tracer.start_span(
-            name, context=extract(headers), kind=otel.SpanKind.SERVER,
-            start_time=self._ns(arrived),
-        )  # fmt: skip
+            name, context=context, kind=otel.SpanKind.SERVER, start_time=self._ns(arrived)
+        )
 
     @staticmethod
     def trace_id(span: otel.Span) -> str | None:
@@ -212,6 +235,9 @@ class Tracing:
         self._processor.force_flush(SHUTDOWN_TIMEOUT_MS)
         self._provider.shutdown()
 
+
+PROPAGATED = ("traceparent", "tracestate")
+"""W3C trace-context headers an unrecorded request passes upstream as it got them."""
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat"}
 """GenAI semantic conventions' `gen_ai.operation.name` of each generating route."""

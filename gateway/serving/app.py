@@ -325,8 +325,11 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
         )
         if state.tracing is not None:
             name = f"{request.method} {request.path}"
-            trace.span = state.tracing.begin(request.headers, name, trace.arrived)
-            trace.trace_id = state.tracing.trace_id(trace.span)
+            trace.span, trace.trace_headers = state.tracing.begin(
+                request.headers, name, trace.arrived
+            )
+            if trace.span is not None:
+                trace.trace_id = state.tracing.trace_id(trace.span)
         drain, task = request.app[DRAIN], asyncio.current_task()
         if task is not None:
             drain.active.add(task)

@@ -151,6 +151,8 @@ class Relay:
                     trace.relay_span, trace.backend, trace.attempts
                 )
                 headers = {**headers, **carrier}
+            elif trace.trace_headers:  # not sampled: the context alone, no span
+                headers = {**headers, **trace.trace_headers}
             ended = "failed"  # the attempt span's result, unless it ends as below
             try:
                 result = await self._attempt(request, slot, grant, state, headers)

@@ -149,3 +149,39 @@ async def test_a_collector_that_is_down_costs_only_counted_spans(
         assert all("traceparent" in h for h in seen)  # still propagated
     finally:
         await runner.cleanup()
+
+
+async def test_an_unsampled_request_makes_no_span_but_keeps_its_context_upstream(
+    start_gateway: StartGateway, start_otlp_receiver: StartOtlpReceiver
+) -> None:
+    """At sample ratio 0 a new request is not recorded, yet vLLM is told so (flags 00, not a
+    root of its own); a caller's unsampled context passes through as it came; a caller's
+    sampled one is still recorded (parent-based)."""
+    receiver = await start_otlp_receiver()
+    seen: list[dict[str, str]] = []
+    runner, backend = await emulator_recording_headers(seen)
+    tracing = {"enabled": True, "endpoint": receiver.endpoint, "sample_ratio": 0.0,
+               "service_name": "gw-sampling"}  # fmt: skip
+    unsampled = f"00-{CALLER_TRACE}-{CALLER_SPAN}-00"
+    callers = [None, {"traceparent": unsampled, "tracestate": "vendor=1"},
+               {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}]  # fmt: skip
+    try:
+        gw = await start_gateway([backend], policy="fcfs", tracing=tracing)
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as c:
+            for headers in callers:
+                answer = await c.completions.create(
+                    model="tiny-llama", prompt="Hello", max_tokens=4, extra_headers=headers
+                )
+                assert answer.choices[0].text
+        await gw.stop()
+    finally:
+        await runner.cleanup()
+    new, passed, sampled = seen
+    version, trace_id, span_id, flags = new["traceparent"].split("-")
+    assert (version, flags) == ("00", "00") and len(trace_id) == 32 and len(span_id) == 16
+    assert int(trace_id, 16) and trace_id != CALLER_TRACE
+    assert (passed["traceparent"], passed["tracestate"]) == (unsampled, "vendor=1")
+    spans = [s for s in receiver.spans if s.service == "gw-sampling"]
+    assert {s.trace_id for s in spans} == {CALLER_TRACE}  # only the sampled caller's
+    attempt = next(s for s in spans if s.name == "sagesched.attempt")
+    assert sampled["traceparent"] == f"00-{CALLER_TRACE}-{attempt.span_id}-01"
