@@ -27,6 +27,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cap_bursts import ttlt  # noqa: E402
 
 from loadgen.engine.configs import engine_config  # noqa: E402
 from loadgen.engine.fit_cpu import MachineShape  # noqa: E402
@@ -62,10 +65,6 @@ def run(
     c = Contender(policy, parse_policy(policy), engine_config("vllm-chunked-prefill"), cap,
                   cap_law=CapLaw() if tuned else None, cap_memory=memory)  # fmt: skip
     return simulate(trace, c, CpuTinyVllm(shape.k), belief_sigma=0.5)
-
-
-def ttlt(res: SimResult) -> float:
-    return statistics.fmean(r.finish_s - r.arrival_s for r in res.records if r.finish_s is not None)
 
 
 def main() -> int:

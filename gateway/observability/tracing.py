@@ -116,8 +116,9 @@ def sample_ratio(settings: TracingSettings) -> float:
 
 
 class Tracing:
-    """The gateway's tracer: `begin` a request, `relay` and `attempt` spans live, `finish`
-    the rest from the request's trace. Not thread-safe (one event loop)."""
+    """The gateway's tracer: `begin` a request (its span, or only the context an unsampled
+    one carries), open each `attempt` (and the relay span) live, `finish` the rest from the
+    request's trace. Not thread-safe (one event loop)."""
 
     def __init__(self, settings: TracingSettings, exporter: SpanExporter | None = None) -> None:
         service = settings.service_name or os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE
@@ -142,49 +143,48 @@ class Tracing:
 
     # -- live spans -------------------------------------------------------------------------
 
-    def begin(
-        self, headers: Mapping[str, str], name: str, arrived: float
-    ) -> tuple[otel.Span | None, dict[str, str]]:
-        """The request's span when it is sampled, else None and the trace context it carries
-        upstream unrecorded. A caller's `traceparent` decides (parent-based sampling); without
-        one, a draw at the sample ratio does."""
+    def begin(self, trace: RequestTrace, headers: Mapping[str, str], name: str) -> None:
+        """Open `trace`'s request span when it is sampled (its caller's `traceparent` decides,
+        parent-based; without one, a draw at the sample ratio), else keep only the trace
+        context it carries upstream unrecorded."""
         if "traceparent" in headers:
             context = extract(headers)
             parent = otel.get_current_span(context).get_span_context()
             if parent.is_valid:
-                if not parent.trace_flags.sampled:
-                    return None, {k: headers[k] for k in PROPAGATED if k in headers}
-                return self._start(name, context, arrived), {}
+                if parent.trace_flags.sampled:
+                    self._open(trace, name, context)
+                else:
+                    trace.trace_headers = {k: headers[k] for k in PROPAGATED if k in headers}
+                return
         if self.ratio < 1.0 and self._draw.random() >= self.ratio:
             trace_id = self._draw.getrandbits(128) or 1
             span_id = self._draw.getrandbits(64) or 1
-            return None, {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-00"}
-        return self._start(name, None, arrived), {}
+            trace.trace_headers = {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-00"}
+            return
+        self._open(trace, name, None)
 
-    def _start(self, name: str, context: Context | None, arrived: float) -> otel.Span:
-        return self._tracer.start_span(
-            name, context=context, kind=otel.SpanKind.SERVER, start_time=self._ns(arrived)
+    def _open(self, trace: RequestTrace, name: str, context: Context | None) -> None:
+        span = self._tracer.start_span(
+            name, context=context, kind=otel.SpanKind.SERVER, start_time=self._ns(trace.arrived)
         )
-
-    @staticmethod
-    def trace_id(span: otel.Span) -> str | None:
-        """The span's trace id in hex when it is sampled (recorded and exported), else None."""
-        context = span.get_span_context()
-        return format(context.trace_id, "032x") if context.trace_flags.sampled else None
-
-    def relay(self, request: otel.Span, dispatched: float) -> otel.Span:
-        """Step 4's span, from the first grant to the end of the last attempt."""
-        return self._tracer.start_span(
-            "sagesched.relay", context=otel.set_span_in_context(request),
-            start_time=self._ns(dispatched),
-        )  # fmt: skip
+        trace.span = span
+        trace.trace_id = format(span.get_span_context().trace_id, "032x")
 
     def attempt(
-        self, relay: otel.Span, backend: str, number: int
-    ) -> tuple[otel.Span, dict[str, str]]:
-        """One upstream request's span and the headers that carry it upstream."""
+        self, trace: RequestTrace, backend: str, number: int
+    ) -> tuple[otel.Span | None, dict[str, str]]:
+        """One upstream request's span (the relay span opened on the first) and the headers
+        that carry its context upstream; for an unsampled request no span, only the context
+        it carries."""
+        if trace.span is None:
+            return None, trace.trace_headers or {}
+        if trace.relay_span is None:  # step 4 runs from the first grant to the last attempt
+            trace.relay_span = self._tracer.start_span(
+                "sagesched.relay", context=otel.set_span_in_context(trace.span),
+                start_time=self._ns(trace.dispatched or time.monotonic()),
+            )  # fmt: skip
         span = self._tracer.start_span(
-            "sagesched.attempt", context=otel.set_span_in_context(relay),
+            "sagesched.attempt", context=otel.set_span_in_context(trace.relay_span),
             kind=otel.SpanKind.CLIENT,
             attributes={"sagesched.backend": backend, "sagesched.attempt": number},
         )  # fmt: skip

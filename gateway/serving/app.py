@@ -324,12 +324,7 @@ def _counted(serve: Serve) -> Callable[[web.Request], Awaitable[web.StreamRespon
             model=UNKNOWN_MODEL, arrived=time.monotonic(), policy=state.dispatcher.label
         )
         if state.tracing is not None:
-            name = f"{request.method} {request.path}"
-            trace.span, trace.trace_headers = state.tracing.begin(
-                request.headers, name, trace.arrived
-            )
-            if trace.span is not None:
-                trace.trace_id = state.tracing.trace_id(trace.span)
+            state.tracing.begin(trace, request.headers, f"{request.method} {request.path}")
         drain, task = request.app[DRAIN], asyncio.current_task()
         if task is not None:
             drain.active.add(task)

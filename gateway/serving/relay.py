@@ -141,18 +141,12 @@ class Relay:
             grant = await slot.granted()
             if trace.dispatched is None:
                 trace.dispatched = time.monotonic()
-                if self.tracing is not None and trace.span is not None:
-                    trace.relay_span = self.tracing.relay(trace.span, trace.dispatched)
             trace.backend = grant.backend.name
             trace.attempts += 1
             span, headers = None, grant.backend.headers()
-            if self.tracing is not None and trace.relay_span is not None:
-                span, carrier = self.tracing.attempt(
-                    trace.relay_span, trace.backend, trace.attempts
-                )
+            if self.tracing is not None:
+                span, carrier = self.tracing.attempt(trace, trace.backend, trace.attempts)
                 headers = {**headers, **carrier}
-            elif trace.trace_headers:  # not sampled: the context alone, no span
-                headers = {**headers, **trace.trace_headers}
             ended = "failed"  # the attempt span's result, unless it ends as below
             try:
                 result = await self._attempt(request, slot, grant, state, headers)
