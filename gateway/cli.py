@@ -111,8 +111,7 @@ def serve(config: GatewayConfig, source: KeySource | None = None) -> int:
     """Run until SIGINT/SIGTERM, then drain: the listener closes, the requests in flight get
     `shutdown_grace_s`, the rest are ended cleanly, the predictor snapshot is saved, exit 0
     (`gateway.serving.drain`, `gateway.serving.server`). SIGHUP re-reads the keys from `source`. On
-    uvloop
-    when it is installed. With `workers` > 1: worker processes and one scheduling authority
+    uvloop when it is installed. With `workers` > 1: worker processes and one scheduling authority
     (`gateway.workers.supervisor`). Returns the exit status."""
     from gateway.workers import supervisor as workers
 

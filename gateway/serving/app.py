@@ -260,22 +260,27 @@ async def _remember_response(request: web.Request, response: web.StreamResponse)
 
 
 async def _sighup(app: web.Application) -> AsyncIterator[None]:
-    """With `KEY_SOURCE` (a served process, not an app in a test): SIGHUP reloads the keys."""
+    """With `KEY_SOURCE` (a served process, not an app in a test): SIGHUP reloads the keys.
+    A worker of `serve --workers N` also reads them once its handler is in place: it was given
+    the keys its parent started with, and a SIGHUP sent before it could hear one (while it
+    started, or before a restart) must not leave it on keys the file no longer has."""
     source = app.get(KEY_SOURCE)
     if source is None:
         yield
         return
     loop = asyncio.get_running_loop()
 
-    def reload() -> None:
+    def reload(why: str = "SIGHUP") -> None:
         state = app[STATE]
-        updated = reload_keys(state.config, source)
+        updated = reload_keys(state.config, source, why)
         if updated is None:
             return
         state.config = updated  # the handlers read the keys from here, per request
         state.dispatcher.classes.rekey(updated.classes)
 
     loop.add_signal_handler(signal.SIGHUP, reload)
+    if app.get(REMOTE) is not None:
+        reload("worker start")
     try:
         yield
     finally:

@@ -90,25 +90,28 @@ class KeySource:
         return load(self.path, dict(self.overrides))
 
 
-def reload_keys(current: GatewayConfig, source: KeySource) -> GatewayConfig | None:
-    """The current config with the keys of a fresh read of `source`, or None (logged) when it
-    is invalid. Other changed fields are named in a warning: they need a restart."""
+def reload_keys(
+    current: GatewayConfig, source: KeySource, why: str = "SIGHUP"
+) -> GatewayConfig | None:
+    """The current config with the keys of a fresh read of `source`, or None (logged, each line
+    starting with `why`) when it is invalid. Other changed fields are named in a warning: they
+    need a restart."""
     try:
         fresh = source.load()
     except ConfigError as exc:  # names the key, never a value that is a secret
-        log.error("SIGHUP: config not reloaded, keeping the old keys: %s", exc)
+        log.error("%s: config not reloaded, keeping the old keys: %s", why, exc)
         return None
     except yaml.YAMLError as exc:  # its text can quote the file's lines: only where it broke
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        log.error("SIGHUP: config not reloaded, keeping the old keys: invalid YAML%s", where)
+        log.error("%s: config not reloaded, keeping the old keys: invalid YAML%s", why, where)
         return None
     except OSError as exc:
-        log.error("SIGHUP: config not reloaded, keeping the old keys: %s", exc.strerror)
+        log.error("%s: config not reloaded, keeping the old keys: %s", why, exc.strerror)
         return None
     keys = {c.name: c.api_keys for c in fresh.classes.list}
     if set(keys) != {c.name for c in current.classes.list}:
-        log.error("SIGHUP: config not reloaded: the class names changed (needs a restart)")
+        log.error("%s: config not reloaded: the class names changed (needs a restart)", why)
         return None
     classes = dataclasses.replace(
         current.classes,
@@ -119,8 +122,8 @@ def reload_keys(current: GatewayConfig, source: KeySource) -> GatewayConfig | No
     )
     ignored = _changed(updated, fresh)
     if ignored:
-        log.warning("SIGHUP: changes to %s need a restart; applied the keys only", ignored)
-    log.info("SIGHUP: keys reloaded (%d client keys, admin key %s, %d class keys)",
+        log.warning("%s: changes to %s need a restart; applied the keys only", why, ignored)
+    log.info("%s: keys reloaded (%d client keys, admin key %s, %d class keys)", why,
              len(updated.api_keys), "set" if updated.admin_key else "unset",
              sum(len(k) for k in keys.values()))  # fmt: skip
     return updated

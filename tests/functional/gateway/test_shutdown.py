@@ -7,13 +7,15 @@
   `shutting_down` error event and `[DONE]`, counted once (`shutdown`, code 503 in the
   capture);
 - SIGHUP reloads the keys from the config file: a stream in flight completes, an added key
-  is accepted, a removed key is 401, an invalid file keeps the keys and logs no key.
+  is accepted, a removed key is 401, a worker restarted afterwards reads the file too, an
+  invalid file keeps the keys and logs no key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import time
@@ -30,6 +32,7 @@ from predictor.state import read_snapshot_header
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 MODEL = "tiny-llama"
+ADMIN = "adm-4c1e"
 
 
 def start(children: Children, tmp_path: Path, backend: str, workers: int, text: str,
@@ -56,6 +59,10 @@ def fresh() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
 
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
 def tokens(body: bytes) -> int:
     return body.count(b'"content":"') - body.count(b'"content":""')
 
@@ -64,7 +71,7 @@ async def opened(url: str, body: dict[str, Any], key: str | None = None
                  ) -> tuple[aiohttp.ClientSession, aiohttp.ClientResponse]:  # fmt: skip
     """A stream that has sent its first token (so it is running on the backend)."""
     s = fresh()
-    headers = {"Authorization": f"Bearer {key}"} if key else None
+    headers = bearer(key) if key else None
     try:
         r = await s.post(url + "/v1/chat/completions", json=body, headers=headers)
         assert r.status == 200, await r.text()
@@ -91,6 +98,13 @@ async def refused(url: str) -> bool:
             return False
     except aiohttp.ClientConnectorError:
         return True
+
+
+async def ready_workers(url: str) -> list[int]:
+    """The pids of the workers that listen, from the authority's admin view."""
+    async with fresh() as s, s.get(url + "/admin/queue", headers=bearer(ADMIN)) as r:
+        assert r.status == 200, await r.text()
+        return [w["pid"] for w in (await r.json())["workers"] if w["ready"]]
 
 
 def learned(snapshot: Path) -> list[int]:
@@ -157,8 +171,8 @@ async def test_sighup_reloads_keys_without_dropping_a_stream(
     children: Children, tmp_path: Path, backend: str, workers: int
 ) -> None:
     old, kept, new = "key-old-5f3a", "key-kept-91c2", "key-new-77d0"
-    url, proc, log = start(children, tmp_path, backend, workers,
-                           f"policy: fcfs\napi_keys: [{old}, {kept}]\n")  # fmt: skip
+    text = f"policy: fcfs\napi_keys: [{old}, {kept}]\nadmin_key: {ADMIN}\n"
+    url, proc, log = start(children, tmp_path, backend, workers, text)
     config = tmp_path / "gateway.yaml"
 
     async def status(key: str) -> set[int]:
@@ -166,26 +180,38 @@ async def test_sighup_reloads_keys_without_dropping_a_stream(
         out = set()
         async with fresh() as s:
             for _ in range(8):
-                headers = {"Authorization": f"Bearer {key}"}
-                async with s.get(url + "/v1/models", headers=headers) as r:
+                async with s.get(url + "/v1/models", headers=bearer(key)) as r:
                     out.add(r.status)
         return out
 
-    async def reloaded(line: str, count: int) -> None:
-        deadline = time.monotonic() + 15
+    async def reloaded(line: str, count: int, timeout_s: float = 15) -> None:
+        deadline = time.monotonic() + timeout_s
         while log.read_text().count(line) < count:
             assert time.monotonic() < deadline, f"no {count} × {line!r} in the log"
             await asyncio.sleep(0.05)
 
+    if workers > 1:  # every worker hears SIGHUP only once it serves: wait for the last one
+        await reloaded(f"with {workers} workers", 1)
     assert await status(old) == {200} and await status(new) == {401}
     s1, r1 = await opened(url, chat("Runs across the reload.", 120), key=old)
-    config.write_text(config.read_text().replace(old, new))
-    proc.send_signal(signal.SIGHUP)
-    await reloaded("SIGHUP: keys reloaded", workers)
-    assert await status(new) == {200} and await status(kept) == {200}
-    assert await status(old) == {401}
-    body = await asyncio.wait_for(rest(s1, r1), 60)
+    try:
+        config.write_text(config.read_text().replace(old, new))
+        proc.send_signal(signal.SIGHUP)
+        await reloaded("SIGHUP: keys reloaded", workers)
+        assert await status(new) == {200} and await status(kept) == {200}
+        assert await status(old) == {401}
+    finally:
+        body = await asyncio.wait_for(rest(s1, r1), 60)
     assert body.endswith(b"data: [DONE]\n\n") and tokens(body) == 120
+    if workers > 1:  # a worker restarted after the reload reads the file, not its parent's keys
+        pids = await ready_workers(url)
+        os.kill(pids[-1], signal.SIGKILL)
+        await reloaded("worker start: keys reloaded", workers + 1, timeout_s=90)
+        deadline = time.monotonic() + 60
+        while len(set(await ready_workers(url)) - set(pids)) < 1:  # the new one listens
+            assert time.monotonic() < deadline, "the killed worker never came back"
+            await asyncio.sleep(0.2)
+        assert await status(new) == {200} and await status(old) == {401}
     config.write_text("api_keys: [" + new + "\n  - : broken")  # invalid YAML
     proc.send_signal(signal.SIGHUP)
     await reloaded("SIGHUP: config not reloaded", workers)
