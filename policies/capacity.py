@@ -23,10 +23,15 @@ gateway; the engine model's state in the simulator), one `observe` per sample:
    after a KV limit, `queue_hold_s` after a queue).
 3. **Set the cap from the curve** once B_f's relative standard error is at most
    `confident_error`: the cap goes to B_f (moves smaller than `deadband` are not made, so a
-   settled cap stays put). While the curve is uncertain the controller explores: from a cold
-   start it doubles the cap each sample while the cap binds (slow start, every
-   `slow_start_interval_s`), then it alternates `explore_step` above and below the estimate,
-   so the batch varies and the fit can tell the fixed cost from the per-request cost.
+   settled cap stays put). While the curve is uncertain the controller explores. From a cold
+   start (slow start, a sample every `slow_start_interval_s`, while the cap binds) it first
+   gets the fit an estimate without letting the backlog go: one step to a second batch size
+   (`MIN_SPAN` below the cap, or above it where the floor is in the way), held until the fit
+   has twice `min_observations`; the backlog the cap holds back is what the policy orders.
+   Then it doubles the cap while the estimate is above half of it (or while the curve shows
+   no plateau; with no fixed cost it halves), and then it alternates `explore_step` above
+   and below the estimate, so the batch varies and the fit can tell the fixed cost from the
+   per-request cost.
 4. **Remember.** `memory()` is the fit's state; a controller built with it (`memory=`) starts
    at the remembered efficient batch. If the engine no longer matches the remembered curve
    (the median relative error of the last `change_window` intervals above `change_error`:
@@ -374,6 +379,19 @@ class CapController:
             return self.cap  # demand, not the cap, sets the batch: nothing to explore
         if not self._observed:
             return self.cap  # each level is held until the fit has an observation of it
+        if self.slow_start and est is None and self.cap < law.max_cap:
+            # the backlog this cap holds back is what the policy orders: grow only as far as
+            # the fit needs for an estimate (a second batch size, then enough intervals),
+            # not ahead of it
+            low, high = self.fit.batch_span
+            if high < MIN_SPAN * low:  # below if the floor allows, else above
+                lower = math.floor(self.cap / MIN_SPAN)
+                return lower if lower >= self.floor else math.ceil(self.cap * MIN_SPAN)
+            if self.fit.observations < 2 * law.min_observations:
+                return self.cap
+            fixed = (self.fit.coefficients() or {}).get("alpha", 1.0)
+            if fixed <= 0:  # no fixed cost to share: a smaller batch loses no throughput
+                return max(self.floor, self.cap // 2)
         if self.slow_start and (est is None or self.cap < 2 * est[0]):
             if self.cap >= law.max_cap:
                 return self.cap // 2  # the top, still no curve: look below instead

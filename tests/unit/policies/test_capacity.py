@@ -132,6 +132,18 @@ def test_a_remembered_curve_starts_at_the_knee() -> None:
     assert ctl.changes == 1 and within(caps, other.knee()), (other.knee(), caps)
 
 
+def test_slow_start_does_not_outrun_the_fit() -> None:
+    """A knee below the starting cap (about 5.7 < 8): from a cold start the cap takes one step
+    to a second batch size (8 -> 12) and holds it until the fit has an estimate, instead of
+    doubling while it has none (8 -> 16 -> 32 released the backlog the policy orders). The
+    curve stays untrusted here, so the cap ends at the floor of 8. A knee far above (the
+    H200's ~200) is still reached in `test_settles_at_the_knee_from_a_cold_start`."""
+    e = LinearEngine(0.002, 0.002, noise=0.05, seed=2)
+    ctl = CapController(CapLaw(), 8)
+    caps = e.drive(ctl, 30.0)
+    assert max(caps) == 12 and caps[-10:] == [8] * 10, caps
+
+
 def test_an_uncertain_cap_errs_high() -> None:
     """A knee below the starting cap (5.7 < 8) behind noisy samples: while the curve is not
     trusted, exploration does not take the cap below where it started (too small a cap
