@@ -31,7 +31,8 @@ gateway; the engine model's state in the simulator), one `observe` per sample:
    Then it doubles the cap while the estimate is above half of it (or while the curve shows
    no plateau; with no fixed cost it halves), and then it alternates `explore_step` above
    and below the estimate, so the batch varies and the fit can tell the fixed cost from the
-   per-request cost.
+   per-request cost. Until the curve is trusted, both read the estimate discounted by its
+   own uncertainty (`doubt` standard errors), so an uncertain curve errs toward the floor.
 4. **Remember.** `memory()` is the fit's state; a controller built with it (`memory=`) starts
    at the remembered efficient batch. If the engine no longer matches the remembered curve
    (the median relative error of the last `change_window` intervals above `change_error`:
@@ -51,6 +52,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -110,6 +112,11 @@ class CapLaw:
     explore_step: float = 0.5
     """While the curve is uncertain: relative distance above and below the estimate the cap
     alternates between."""
+    doubt: float = 2.0
+    """While the curve is uncertain, slow start and exploration read its efficient batch
+    discounted by this many standard errors (B_f · exp(-doubt · se)): an uncertain curve errs
+    toward the floor, where the gateway's order works, not above the knee, where the backlog
+    leaves the gateway for the engine's own FCFS queue."""
     refine_step: float = 0.15
     """Once trusted, until its error halves: relative distance above and below the estimate
     the cap alternates between."""
@@ -144,6 +151,8 @@ class CapLaw:
             raise ValueError("need 0 < plateau_fraction < 1")
         if not 0 < self.explore_step < 1 or self.confident_error <= 0:
             raise ValueError("need 0 < explore_step < 1 and confident_error > 0")
+        if self.doubt < 0:
+            raise ValueError("need doubt >= 0")
         if not 0 < self.backoff < 1 or self.change_window < 2 or self.min_iterations <= 0:
             raise ValueError("need 0 < backoff < 1, change_window >= 2, min_iterations > 0")
 
@@ -213,6 +222,16 @@ class CapController:
         """The engine's per-request cost at the current cap (the `time` cost model), once
         the curve is trusted; None before."""
         return self.fit.profile(self.cap) if self.confident() else None
+
+    def iteration_curve(self) -> Callable[[int], float] | None:
+        """Predicted seconds of one engine iteration at a running batch of B, at the recent
+        mix (the time per output token of each running request: `policies.shares` bounds a
+        batch by it), once the curve is trusted; None before."""
+        coefficients, slope = self.fit.coefficients(), self.fit.slope()
+        if not self.confident() or coefficients is None or slope is None:
+            return None
+        alpha = coefficients["alpha"]
+        return lambda batch: alpha + slope * batch
 
     def memory(self) -> dict[str, Any] | None:
         """What a restarted controller needs (JSON-ready): the fit (all the evidence so far,
@@ -392,12 +411,13 @@ class CapController:
             fixed = (self.fit.coefficients() or {}).get("alpha", 1.0)
             if fixed <= 0:  # no fixed cost to share: a smaller batch loses no throughput
                 return max(self.floor, self.cap // 2)
-        if self.slow_start and (est is None or self.cap < 2 * est[0]):
+        cautious = None if est is None else est[0] * math.exp(-law.doubt * est[1])
+        if self.slow_start and (cautious is None or self.cap < 2 * cautious):
             if self.cap >= law.max_cap:
                 return self.cap // 2  # the top, still no curve: look below instead
             return self._grown()
         self.slow_start = False
-        centre = est[0] if est is not None else self.cap * (1 + law.explore_step)
+        centre = cautious if cautious is not None else self.cap * (1 + law.explore_step)
         direction = -self._explore
         self._explore = direction
         return max(self.floor, round(centre * (1 + direction * law.explore_step)))
