@@ -182,6 +182,14 @@ class TrafficClass:
     """Time-to-first-token objective (seconds), judged per request in the metrics."""
     ttlt_slo_s: float | None = None
     """Time-to-last-token objective (seconds)."""
+    tpot_slo_s: float | None = None
+    """Time-per-output-token objective (seconds). While the class is active, less urgent bands
+    start on a backend only while its batch's predicted TPOT (the self-tuning cap's fitted
+    curve) stays within it (`policies.shares`); judged per request in the metrics."""
+    engine_share: float | None = None
+    """Fraction of each backend's in-flight slots the band may hold while a more urgent band is
+    active (None: no bound of its own). Idle share is lent; it is taken back by not granting
+    more, never by preemption (classes of one band must agree)."""
     slo_target: float = 0.99
     """Share of requests that must meet the objectives (the SLO-burn alerts' budget)."""
     max_waiting: int | None = None
@@ -214,6 +222,9 @@ class ClassesSettings:
     """Tenants named (hashed) in per-tenant metrics; the rest are `other`."""
     list: tuple[TrafficClass, ...] = DEFAULT_CLASSES
     """The classes; the default set is interactive (0), standard (1), batch (2)."""
+    active_window_s: float = 10.0
+    """A class counts as active, for the engine shares and TPOT objectives of the others, while
+    it has requests waiting or for this long after one arrived."""
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.list]
@@ -222,12 +233,19 @@ class ClassesSettings:
         if self.default not in names:
             raise ConfigError(f"classes.default {self.default!r} is not one of {names}")
         shares: dict[int, float] = {}
+        engine: dict[int, float | None] = {}
         for c in self.list:
             if not 0.0 <= c.share < 1.0 or shares.setdefault(c.priority, c.share) != c.share:
                 raise ConfigError(f"classes.{c.name}.share: in [0, 1), one per priority")
+            share = c.engine_share
+            if share is not None and not 0.0 < share <= 1.0:
+                raise ConfigError(f"classes.{c.name}.engine_share must be in (0, 1]")
+            if engine.setdefault(c.priority, share) != share:
+                raise ConfigError(f"classes.{c.name}.engine_share: one per priority")
             if not 0.0 < c.slo_target < 1.0:
                 raise ConfigError(f"classes.{c.name}.slo_target must be in (0, 1)")
-            positive = (c.ttft_slo_s, c.ttlt_slo_s, c.queue_timeout_s, c.max_waiting)
+            positive = (c.ttft_slo_s, c.ttlt_slo_s, c.tpot_slo_s, c.queue_timeout_s,
+                        c.max_waiting)  # fmt: skip
             if any(v is not None and v <= 0 for v in positive):
                 raise ConfigError(f"classes.{c.name}: SLOs, timeout and max_waiting must be > 0")
         keys = [k for c in self.list for k in c.api_keys]
@@ -235,6 +253,8 @@ class ClassesSettings:
             raise ConfigError("classes: an API key maps to one class only")
         if self.tenant_labels < 0:
             raise ConfigError("classes.tenant_labels must be >= 0")
+        if self.active_window_s < 0:
+            raise ConfigError("classes.active_window_s must be >= 0")
 
 
 @dataclass(frozen=True)

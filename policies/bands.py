@@ -32,6 +32,7 @@ import heapq
 import itertools
 from collections import Counter
 from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -113,6 +114,11 @@ class BandQueue:
         band, tenant = self._where[job.id]
         return (float(band.priority), *band.flows[tenant].key_of(job))
 
+    def waiting_in(self, priority: int) -> int:
+        """Jobs of band `priority` waiting."""
+        band = self._bands.get(priority)
+        return 0 if band is None else band.waiting
+
     @property
     def head_band(self) -> int | None:
         """Band of the job the last `peek` or `pop` returned (None before any)."""
@@ -158,9 +164,10 @@ class BandQueue:
         self._left_waiting(band)
         return True
 
-    def pop(self, now: float) -> Job | None:
-        """Remove and return the job to serve next, or None when nothing waits."""
-        picked = self._pick(now)
+    def pop(self, now: float, skip: AbstractSet[int] = frozenset()) -> Job | None:
+        """Remove and return the job to serve next, or None when nothing waits (the bands in
+        `skip` pass their turn: held at their engine share)."""
+        picked = self._pick(now, skip)
         if picked is None:
             return None
         band, tenant = picked
@@ -173,9 +180,9 @@ class BandQueue:
         self._left_waiting(band)
         return job
 
-    def peek(self, now: float) -> Job | None:
-        """The job `pop(now)` would return, left in place."""
-        picked = self._pick(now)
+    def peek(self, now: float, skip: AbstractSet[int] = frozenset()) -> Job | None:
+        """The job `pop(now, skip)` would return, left in place."""
+        picked = self._pick(now, skip)
         if picked is None:
             return None
         band, tenant = picked
@@ -249,16 +256,16 @@ class BandQueue:
             seq = band.latest[tenant] = next(self._seq)
             heapq.heappush(band.heap, (*state, seq, tenant))
 
-    def _pick(self, now: float) -> tuple[_Band, str] | None:
-        band = self._pick_band()
+    def _pick(self, now: float, skip: AbstractSet[int]) -> tuple[_Band, str] | None:
+        band = self._pick_band(skip)
         if band is None:
             return None
         self._head_band = band.priority
         return band, self._pick_flow(band, now)
 
-    def _pick_band(self) -> _Band | None:
+    def _pick_band(self, skip: AbstractSet[int]) -> _Band | None:
         """Owed share bands first (most owed per unit of share), then strict priority."""
-        waiting = [b for b in self._bands.values() if b.waiting]
+        waiting = [b for b in self._bands.values() if b.waiting and b.priority not in skip]
         if not waiting:
             return None
         owed = [b for b in waiting if b.share > 0 and b.credit > 0]

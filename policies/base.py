@@ -21,6 +21,7 @@ from policies.cost import LinearProfile
 from policies.job import Job
 from policies.queue import Key as Key  # the policies name it from here
 from policies.queue import PolicyQueue, WaitingQueue
+from policies.shares import EngineView, Start
 
 
 def param(default: Any, help: str) -> Any:
@@ -74,6 +75,7 @@ class Policy(Parametrised, abc.ABC):
     - `needs_oracle`: the job must carry `true_output_tokens` (simulation and studies only).
     - `revalidate_on_pop`: the key may *rise* while a job waits (shared counters move); the
       stored key is a lower bound and the queue recomputes the head before handing it out.
+    - `holds_starts`: `start_rule` may hold a head job off a backend (engine shares).
     """
 
     name: ClassVar[str] = ""
@@ -81,6 +83,8 @@ class Policy(Parametrised, abc.ABC):
     needs_prediction: ClassVar[bool] = False
     needs_oracle: ClassVar[bool] = False
     revalidate_on_pop: ClassVar[bool] = False
+    holds_starts: ClassVar[bool] = False
+    """Does `start_rule` ever hold a job (so the engine must describe each backend to it)?"""
 
     preemptive: bool = dataclasses.field(default=False, init=False)
     """May a waiting job displace a running one? Subclasses may make it a parameter."""
@@ -126,6 +130,13 @@ class Policy(Parametrised, abc.ABC):
         primary component is not a magnitude (the bands of `policies.catalog.bands`) says how
         its keys map instead."""
         return priority_level(key[0])
+
+    def start_rule(self, job: Job, engine: EngineView, now: float) -> Start:
+        """May `job` (the queue's head) start on this backend now? A policy that bounds how
+        much of an engine a group of jobs holds (the engine shares of `bands`,
+        `policies.shares`) says no with `Start.HELD`; the engine then offers the slot to the
+        head of another band, or leaves it free. Default: always."""
+        return Start.FREE
 
     def make_queue(self) -> WaitingQueue:
         """The structure that holds this policy's waiting jobs for one run (the `Scheduler`

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from policies.job import Job
@@ -44,8 +45,8 @@ class WaitingQueue(Protocol):
     def push(self, job: Job, now: float) -> Key: ...
     def rekey(self, job: Job, now: float) -> Key: ...
     def remove(self, job: Job) -> bool: ...
-    def pop(self, now: float) -> Job | None: ...
-    def peek(self, now: float) -> Job | None: ...
+    def pop(self, now: float, skip: AbstractSet[int] = ...) -> Job | None: ...
+    def peek(self, now: float, skip: AbstractSet[int] = ...) -> Job | None: ...
     def snapshot(self, now: float) -> list[tuple[Job, Key]]: ...
 
 
@@ -116,15 +117,18 @@ class PolicyQueue:
         del self._live[job.id]
         return True
 
-    def pop(self, now: float) -> Job | None:
-        """Remove and return the job to serve next, or None when nothing waits."""
+    def pop(self, now: float, skip: AbstractSet[int] = frozenset()) -> Job | None:
+        """Remove and return the job to serve next, or None when nothing waits. (`skip`: the
+        bands to pass over; this queue has none, so it must be empty.)"""
+        assert not skip, "a queue without bands has no band to skip"
         if self._head(now) is None:
             return None
         _, _, job_id, _ = heapq.heappop(self._heap)
         return self._live.pop(job_id)[1]
 
-    def peek(self, now: float) -> Job | None:
+    def peek(self, now: float, skip: AbstractSet[int] = frozenset()) -> Job | None:
         """The job `pop(now)` would return, left in place."""
+        assert not skip, "a queue without bands has no band to skip"
         return self._head(now)
 
     def snapshot(self, now: float) -> list[tuple[Job, Key]]:

@@ -22,11 +22,13 @@ so it should look for a victim again (`progress` returns True).
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from policies.base import Key, Policy
 from policies.cost import LinearProfile
 from policies.job import Job
 from policies.queue import PolicyQueue, WaitingQueue
+from policies.shares import EngineView, Start
 
 
 class Scheduler:
@@ -55,12 +57,22 @@ class Scheduler:
         self.policy.on_admit(job, now)
         return self.queue.push(job, now)
 
-    def dispatch(self, now: float) -> Job | None:
-        """A backend slot is free: hand out the best waiting job (None if none waits)."""
-        job = self.queue.pop(now)
+    def dispatch(self, now: float, held: AbstractSet[int] = frozenset()) -> Job | None:
+        """A backend slot is free: hand out the best waiting job (None if none waits), passing
+        over the bands in `held` (`peek`)."""
+        job = self.queue.pop(now, held)
         if job is not None:
             self._start(job, now)
         return job
+
+    def peek(self, now: float, held: AbstractSet[int] = frozenset()) -> Job | None:
+        """The job `dispatch(now, held)` would hand out. `held`: bands whose head the start
+        rule held on every backend with room (only a banded queue has them)."""
+        return self.queue.peek(now, held)
+
+    def start_rule(self, job: Job, engine: EngineView, now: float) -> Start:
+        """May `job` start on the backend `engine` describes now (`Policy.start_rule`)?"""
+        return self.policy.start_rule(job, engine, now)
 
     def dispatch_for(
         self, now: float, cached_tokens: Callable[[Job], int], candidates: int = 8

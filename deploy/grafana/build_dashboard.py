@@ -236,9 +236,9 @@ def panels() -> list[dict[str, Any]]:
 
 
 def class_row(y: int) -> list[dict[str, Any]]:
-    """One row per request class (`gateway.scheduling.classes`): latency, queue, outcomes, SLO burn
-    and
-    the tenants' share of the output."""
+    """One row per request class (`gateway.scheduling.classes`): latency, queue, outcomes, SLO
+    burn, the tenants' share of the output, token speed and the engine share."""
+    tpot = "model_class:sagesched_class_time_per_output_token_seconds"
     ttft = "model_class:sagesched_class_time_to_first_token_seconds"
     ttlt = "model_class:sagesched_class_time_to_last_token_seconds"
     burn = "class_slo:sagesched_class_slo_missed"
@@ -273,6 +273,23 @@ def class_row(y: int) -> list[dict[str, Any]]:
               "tenants share a band by virtual token counters.",
               [('sum by (tenant) (rate(sagesched_tenant_output_tokens_total{class=~"$class"}'
                 "[$__rate_interval]))", "{{tenant}}")], "short", (16, y + 9, 8, 8)),
+        panel("Time per output token ($class)",
+              "First to last token over the tokens after the first, completed requests of "
+              "this class: its streaming speed, which a TPOT objective (tpot_slo_s) promises.",
+              quantiles(tpot, MC, "{{model}}", ("p50", "p99")), "s", (0, y + 17, 8, 8)),
+        panel("Engine share ($class)",
+              "Slots of each backend this class's band may hold now (its engine_share, or "
+              "what a more urgent class's TPOT objective leaves; the cap while nothing more "
+              "urgent is active).",
+              [('sum by (backend) (sagesched_engine_share_slots{class=~"$class"})',
+                "{{backend}}")], "short", (8, y + 17, 8, 8)),
+        panel("Share lent and held ($class)",
+              "Jobs of this class started beyond its engine share (lent: nothing more urgent "
+              "was active) and jobs held back at it while a backend had room.",
+              [('sum(rate(sagesched_engine_share_lent_total{class=~"$class"}'
+                "[$__rate_interval]))", "lent"),
+               ('sum(rate(sagesched_engine_share_held_total{class=~"$class"}'
+                "[$__rate_interval]))", "held")], "reqps", (16, y + 17, 8, 8)),
     ]  # fmt: skip
 
 

@@ -254,8 +254,10 @@ class GatewayMetrics:
         self.live = _Live()
         """The pool's and the dispatcher's plain numbers, read at scrape time."""
         r.register(self.live)
+        self.engine_shares = _EngineShares()
+        r.register(self.engine_shares)
         self._class_series(r)
-        self._slos: dict[str, tuple[float | None, float | None]] = {}
+        self._slos: dict[str, tuple[float | None, float | None, float | None]] = {}
         self._tenants = TenantLabels(0)
 
     def _class_series(self, r: CollectorRegistry) -> None:
@@ -272,6 +274,12 @@ class GatewayMetrics:
             "Arrival at the gateway to the last token relayed, completed requests, by class.",
             mc, buckets=E2E_BUCKETS_S, registry=r,
         )  # fmt: skip
+        self.class_tpot = Histogram(
+            "sagesched_class_time_per_output_token_seconds",
+            "First to last token relayed over the tokens after the first, completed requests "
+            "of at least two tokens, by class.",
+            mc, buckets=ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
         self.class_queue_wait = Histogram(
             "sagesched_class_queue_wait_seconds",
             "Admission to first dispatch to a backend, by request class.",
@@ -284,8 +292,8 @@ class GatewayMetrics:
         )  # fmt: skip
         self.class_slo = Counter(
             "sagesched_class_slo",
-            "Requests judged against their class's objective (slo: ttft or ttlt), met or "
-            "missed; a request the service failed or shed misses it.",
+            "Requests judged against their class's objective (slo: ttft, ttlt or tpot), met "
+            "or missed; a request the service failed or shed misses it.",
             ("class", "slo", "result"), registry=r,
         )  # fmt: skip
         self.class_objective = Gauge(
@@ -307,8 +315,8 @@ class GatewayMetrics:
         """The configured classes: their objectives exported, their counters created at zero."""
         self._tenants = TenantLabels(tenant_labels)
         for c in classes:
-            self._slos[c.name] = (c.ttft_slo_s, c.ttlt_slo_s)
-            for slo, target in (("ttft", c.ttft_slo_s), ("ttlt", c.ttlt_slo_s)):
+            self._slos[c.name] = (c.ttft_slo_s, c.ttlt_slo_s, c.tpot_slo_s)
+            for slo, target in zip(("ttft", "ttlt", "tpot"), self._slos[c.name], strict=True):
                 if target is None:
                     continue
                 self.class_objective.labels(c.name, slo).set(c.slo_target)
@@ -323,6 +331,12 @@ class GatewayMetrics:
     def watch(self, pool: BackendPool, dispatcher: QueueCounts) -> None:
         """Export the pool's and the dispatcher's state (read at scrape time, see `_Live`)."""
         self.live.pool, self.live.dispatcher = pool, dispatcher
+
+    def watch_engine_shares(self, dispatcher: EngineShareCounts) -> None:
+        """Expose the classes' engine shares (`policies.shares`), read at scrape time: the
+        slots each bounded class may hold per backend now, and the jobs lent a share or held
+        back at it (`gateway.scheduling.dispatcher`)."""
+        self.engine_shares.dispatcher = dispatcher
 
     def watch_tracing(self, dropped: Callable[[], int]) -> None:
         """Expose the spans tracing lost (queue full or export failed), read at scrape time."""
@@ -373,19 +387,26 @@ class GatewayMetrics:
         if t.dispatched is not None:
             self.class_queue_wait.labels(t.model, c).observe(t.dispatched - t.arrived)
         last = t.finished if t.outcome is Outcome.COMPLETED else None
+        tpot = None
         if t.first_token is not None:
             self.class_ttft.labels(t.model, c).observe(t.first_token - t.arrived)
             if last is not None:
                 self.class_ttlt.labels(t.model, c).observe(last - t.arrived)
+                if t.output_tokens >= 2:
+                    tpot = (last - t.first_token) / (t.output_tokens - 1)
+                    self.class_tpot.labels(t.model, c).observe(tpot)
         if t.outcome not in SLO_JUDGED:
             return
-        ttft_slo, ttlt_slo = self._slos.get(c, (None, None))
-        for slo, target, at in (
-            ("ttft", ttft_slo, t.first_token),
-            ("ttlt", ttlt_slo, last),
-        ):
+        ttft_slo, ttlt_slo, tpot_slo = self._slos.get(c, (None, None, None))
+        judged = [
+            ("ttft", ttft_slo, None if t.first_token is None else t.first_token - t.arrived),
+            ("ttlt", ttlt_slo, None if last is None else last - t.arrived),
+        ]
+        if last is None or tpot is not None:  # a one-token answer has no time per token
+            judged.append(("tpot", tpot_slo, tpot))
+        for slo, target, took in judged:
             if target is not None:
-                met = at is not None and at - t.arrived <= target
+                met = took is not None and took <= target
                 self.class_slo.labels(c, slo, "met" if met else "missed").inc()
 
     def count_cut(self, reason: str) -> None:
@@ -545,6 +566,50 @@ class _CacheLookups(Collector):
         family.add_metric(("hit",), hits)
         family.add_metric(("miss",), misses)
         yield family
+
+
+class EngineShareCounts(Protocol):
+    """What the engine-share series read from the dispatcher at scrape time."""
+
+    share_lent: dict[str, int]
+    share_held: dict[str, int]
+
+    def engine_shares(self) -> dict[tuple[str, str], int]: ...
+
+
+class _EngineShares(Collector):
+    """Engine shares per class: the slots in force, and the jobs lent or held back."""
+
+    def __init__(self) -> None:
+        self.dispatcher: EngineShareCounts | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.dispatcher
+        slots = GaugeMetricFamily(
+            "sagesched_engine_share_slots",
+            "Slots of a backend a class's band may hold now (its engine share, or what a more "
+            "urgent class's TPOT objective leaves; the cap while nothing more urgent is active).",
+            labels=("class", "backend"),
+        )
+        shares = {} if d is None else d.engine_shares()
+        for (klass, backend), n in shares.items():
+            slots.add_metric((klass, backend), n)
+        lent = CounterMetricFamily(
+            "sagesched_engine_share_lent",
+            "Jobs started beyond their band's engine share: lent while no more urgent class "
+            "was active.",
+            labels=("class",),
+        )
+        held = CounterMetricFamily(
+            "sagesched_engine_share_held",
+            "Requests held back, as their band's next in line, at its engine share (or a more "
+            "urgent class's TPOT bound) while a backend had room; each counted once.",
+            labels=("class",),
+        )
+        for family, counts in ((lent, d and d.share_lent), (held, d and d.share_held)):
+            for klass, n in (counts or {}).items():
+                family.add_metric((klass,), n)
+        yield from (slots, lent, held)
 
 
 class _Dropped(Collector):

@@ -394,16 +394,23 @@ class BackendPool:
         return router
 
     def pick(
-        self, model: str, exclude: frozenset[str] | set[str] = frozenset(), job: Job | None = None
+        self,
+        model: str,
+        exclude: frozenset[str] | set[str] = frozenset(),
+        job: Job | None = None,
+        allow: Callable[[Backend], bool] | None = None,
     ) -> Backend | None:
         """Where `job` goes: the router's choice among the healthy backends with room that
-        serve `model`, or None. Only this gateway's own backends (`BackendConfig.owned`, one
-        replica's share) while one of them serving `model` is healthy: another replica's would
-        be over-admitted. Without a job: the least-loaded one (is there room at all?)."""
+        serve `model` (and that `allow`, when given: the policy's start rule), or None. Only
+        this gateway's own backends (`BackendConfig.owned`, one replica's share) while one of
+        them serving `model` is healthy: another replica's would be over-admitted. Without a
+        job: the least-loaded one (is there room at all?)."""
         mine = self._candidates(model, exclude)
         if job is None:
             open_ = [b for b in mine if b.has_room()]
             return min(open_, key=lambda b: b.inflight / b.cap, default=None)
+        if allow is not None:
+            mine = [b for b in mine if allow(b)]
         chain = getattr(job.ctx, "token_chain", None)  # tokenized: exact where events are
         states, exact = [], False
         for b in mine:

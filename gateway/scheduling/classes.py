@@ -8,11 +8,13 @@ choices.
 
 Ordering is not decided here: `compose` wraps the configured policy in the `bands` policy
 (`policies.catalog.bands`: strict bands with the classes' shares, tenant fairness inside a
-band, the policy inside a tenant), the same object the simulator runs. What is gateway-only is
-admission under overload (`Admission`): a class at its own bound gets 429; when the whole queue
-is full a sheddable arrival gets 429 first, otherwise the oldest waiting request of a sheddable
-class, then the lowest band's oldest (if less urgent than the arrival), is evicted with 429 and
-Retry-After to make room. Every such request ends as `Outcome.SHED`, counted per class.
+band, the policy inside a tenant; the classes' engine shares and TPOT objectives bound how much
+of a backend a band holds, `policies.shares`), the same object the simulator runs. What is
+gateway-only is admission under overload (`Admission`): a class at its own bound gets 429;
+when the whole queue is full a sheddable arrival gets 429 first, otherwise the oldest waiting
+request of a sheddable class, then the lowest band's oldest (if less urgent than the arrival),
+is evicted with 429 and Retry-After to make room. Every such request ends as `Outcome.SHED`,
+counted per class.
 """
 
 from __future__ import annotations
@@ -62,10 +64,20 @@ class Classes:
         (a policy that is already `bands` is used as it is)."""
         if isinstance(policy, Bands):
             return policy
-        shares = tuple(sorted({(c.priority, c.share) for c in self.settings.list if c.share > 0}))
+        classes = self.settings.list
+        shares = tuple(sorted({(c.priority, c.share) for c in classes if c.share > 0}))
+        engine = tuple(sorted({(c.priority, c.engine_share) for c in classes
+                               if c.engine_share is not None}))  # fmt: skip
+        # a band's TPOT objective is its most demanding class's
+        tpot: dict[int, float] = {}
+        for c in classes:
+            if c.tpot_slo_s is not None:
+                tpot[c.priority] = min(c.tpot_slo_s, tpot.get(c.priority, c.tpot_slo_s))
         # the object itself, not its label as a spec: pair parameters (`tenant_weights=a:2;b:1`)
         # do not survive nesting in `bands:inner=...` text
-        return Bands(inner=policy, band_shares=shares)
+        return Bands(inner=policy, band_shares=shares, engine_shares=engine,
+                     tpot_slos=tuple(sorted(tpot.items())),
+                     active_window_s=self.settings.active_window_s)  # fmt: skip
 
 
 class Admission:

@@ -20,6 +20,7 @@ What it counts for the metrics is plain data (`preemptions`, `retries`, `queue_d
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -36,7 +37,12 @@ from gateway.scheduling.routing import request_prefix
 from gateway.scheduling.slot import Attempt, Grant, PreemptWindow
 from gateway.serving.openai_api import Call
 from policies import Job, LengthDist, Policy, Scheduler
+from policies.catalog.bands import Bands
 from policies.routing import parse_router
+from policies.shares import EngineView, Start
+
+RECHECK_SLACK_S = 0.05
+"""A held job is looked at again this long after the activity window could have ended."""
 
 
 @dataclass(eq=False)
@@ -154,6 +160,17 @@ class Dispatcher:
         scheduler."""
         self.retries: dict[tuple[str, str], int] = {}
         """(model, backend) → requests retried elsewhere after the backend failed them."""
+        self.share_lent: dict[str, int] = {c: 0 for c in self.classes.by_name}
+        """Class → jobs started beyond their band's engine share (lent: no more urgent band
+        was active)."""
+        self.share_held: dict[str, int] = {c: 0 for c in self.classes.by_name}
+        """Class → jobs held back as their band's head at its share (or an urgent band's TPOT
+        bound) while a backend had room, each once: the share taken back by not granting."""
+        self._held: set[int] = set()
+        """Jobs counted in `share_held` (each once)."""
+        self._running_on: dict[str, dict[int, Job]] = {}
+        """Backend name → the jobs running there (what the start rule sees)."""
+        self._recheck: asyncio.TimerHandle | None = None
         pool.listen(self.pump)
 
     # -- queries ------------------------------------------------------------------------
@@ -325,9 +342,11 @@ class Dispatcher:
         ticket: Ticket = job.ctx
         self._slots.pop(job.id, None)
         self._admission.left(job, ticket.klass)
+        self._held.discard(job.id)
         self.scheduler(ticket.call.model).finish(job, self._clock())
         backend, slot.backend = slot.backend, None
         if backend is not None:
+            self._running_on.get(backend.name, {}).pop(job.id, None)
             self._pool.release(backend, ticket.call.model, job)  # pumps
 
     def _requeue(self, slot: LocalSlot, *, preempted: bool) -> None:
@@ -338,6 +357,7 @@ class Dispatcher:
         slot.future = asyncio.get_running_loop().create_future()
         slot.window = None
         if backend is not None:
+            self._running_on.get(backend.name, {}).pop(job.id, None)
             self._pool.release(backend, job.ctx.call.model, job)  # pumps
 
     def _retry_elsewhere(self, slot: LocalSlot, *, backend_down: bool) -> None:
@@ -360,21 +380,84 @@ class Dispatcher:
 
     def pump(self) -> None:
         """Grant free backend slots to the best waiting jobs (called whenever capacity or
-        the queue changes)."""
+        the queue changes). A head the policy's start rule holds on every backend with room
+        (its band at its engine share, `policies.shares`) passes its band's turn."""
         now = self._clock()
         for model, sched in self._schedulers.items():
-            while (job := sched.queue.peek(now)) is not None:
-                backend = self._pool.pick(model, self._slots[job.id].excluded, job)
+            held: set[int] = set()
+            while (job := sched.peek(now, held)) is not None:
+                verdicts: dict[str, Start] = {}
+                allow = None
+                if sched.policy.holds_starts:
+                    allow = functools.partial(self._may_start, sched, job, now, verdicts)
+                backend = self._pool.pick(model, self._slots[job.id].excluded, job, allow)
                 if backend is None:
-                    break
-                sched.dispatch(now)
+                    if Start.HELD not in verdicts.values():
+                        break  # no room: nothing else can start either
+                    self._recheck_later()
+                    held.add(job.priority)
+                    if job.id not in self._held:
+                        self._held.add(job.id)
+                        self.share_held[job.ctx.klass.name] += 1
+                    continue
+                sched.dispatch(now, held)
+                if verdicts.get(backend.name) is Start.LENT:
+                    self.share_lent[job.ctx.klass.name] += 1
                 self._grant(sched, job, backend)
+
+    def _recheck_later(self) -> None:
+        """A job was held: pump again once the urgent band's activity window may have ended
+        (a held band is lent the slots then, even if nothing else happens)."""
+        if self._recheck is None:
+            loop = asyncio.get_running_loop()
+            window = self._config.classes.active_window_s
+            self._recheck = loop.call_later(window + RECHECK_SLACK_S, self._rechecked)
+
+    def _rechecked(self) -> None:
+        self._recheck = None
+        self.pump()
+
+    def _may_start(
+        self, sched: Scheduler, job: Job, now: float, verdicts: dict[str, Start], b: Backend
+    ) -> bool:
+        """The start rule for `job` on `b` (a backend without room is the router's to pass
+        over); each verdict is kept in `verdicts`."""
+        if not b.has_room():
+            return True
+        verdict = verdicts[b.name] = sched.start_rule(job, self._engine_view(b), now)
+        return verdict is not Start.HELD
+
+    def _engine_view(self, b: Backend) -> EngineView:
+        """`b` as the start rule sees it: its running jobs, its cap and, once its self-tuning
+        cap trusts a fitted curve, its iteration time by batch."""
+        curve = None if b.controller is None else b.controller.iteration_curve()
+        return EngineView(list(self._running_on.get(b.name, {}).values()), b.cap, curve)
+
+    def engine_shares(self) -> dict[tuple[str, str], int]:
+        """(class, backend) → the slots the class's band may hold there now, for the classes
+        whose band an engine share or a more urgent TPOT objective bounds (metrics)."""
+        out: dict[tuple[str, str], int] = {}
+        now = self._clock()
+        for sched in self._schedulers.values():
+            policy = sched.policy
+            if not isinstance(policy, Bands) or not policy.holds_starts:
+                continue
+            for b in self._pool.backends:
+                limits = policy.engine_limits(self._engine_view(b), now)
+                for name, klass in self.classes.by_name.items():
+                    if klass.priority in limits:
+                        key = (name, b.name)
+                        out[key] = min(out.get(key, limits[klass.priority]),
+                                       limits[klass.priority])  # fmt: skip
+        return out
 
     def _grant(self, sched: Scheduler, job: Job, backend: Backend) -> None:
         slot = self._slots[job.id]
         self._admission.left(job, job.ctx.klass)
+        self._held.discard(job.id)
         self._pool.acquire(backend)
         self._pool.routed(job.ctx.call.model, job, backend)
+        self._running_on.setdefault(backend.name, {})[job.id] = job
         slot.backend = backend
         priority = None
         if self._config.forward_priority and backend.config.priority_scheduling:

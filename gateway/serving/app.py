@@ -205,6 +205,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             router=parse_router(config.routing),
         )
         dispatcher = Dispatcher(policy, pool, config)  # listens to the pool's capacity
+        metrics.watch_engine_shares(dispatcher)
     else:  # a worker of `serve --workers N`: the authority's pool and queue
         pool, dispatcher = remote.attach(session, policy, config)
     metrics.declare_classes(config.classes.list, config.classes.tenant_labels)

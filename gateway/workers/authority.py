@@ -147,6 +147,7 @@ class Authority:
         self.dispatcher = Dispatcher(policy, self.pool, config)
         self.metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
         self.metrics.watch(self.pool, self.dispatcher)
+        self.metrics.watch_engine_shares(self.dispatcher)
         self.pool.listen(self._soon)
         await self.pool.start()
         self._server = await asyncio.start_unix_server(self._serve, path, limit=wire.LINE_LIMIT)

@@ -202,6 +202,11 @@ class _FleetRun:
         self.fleet = fleet
         self.profile = make_profile(fleet.profile)
         cost = self.profile.cost_profile(min(fleet.cap, fleet.engine.max_seqs))
+        if policy.holds_starts:
+            raise ValueError(
+                "engine shares and TPOT objectives (bands:engine_shares, tpot_slos) run in the "
+                "gateway and the single-engine simulator; this fleet simulator does not apply them"
+            )
         self.sched = Scheduler(policy, cost)
         self.router = router.on_engine(cost).fresh()
         self.engines = [Engine(fleet.engine, self.profile) for _ in range(fleet.backends)]

@@ -171,6 +171,11 @@ class _ReplicaRun:
         self.c, self.profile, self.setup = contender, profile, setup
         batch = min(contender.inflight_cap or contender.engine.max_seqs, contender.engine.max_seqs)
         cost = profile.cost_profile(batch)
+        if contender.policy.holds_starts:
+            raise ValueError(
+                "engine shares and TPOT objectives (bands:engine_shares, tpot_slos) run in the "
+                "gateway and the single-engine simulator; this fleet simulator does not apply them"
+            )
         grid = _budgets(contender, setup)
         self.replicas = [
             _Replica(r, Scheduler(contender.policy, cost), grid[r]) for r in range(setup.count)

@@ -17,6 +17,7 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
@@ -34,6 +35,7 @@ from policies.dist import LengthDist
 from policies.job import Job
 from policies.registry import parse_policy, policy_names
 from policies.scheduler import Scheduler
+from policies.shares import EngineView, Start
 
 ARRIVAL_EPS_S = 1e-9
 """An arrival within this of an iteration start is seen by that iteration."""
@@ -291,11 +293,32 @@ class _Run:
                 engine.abort(victim.ctx)
                 sched.requeue(victim, t, preempted=True)
                 self._dispatch(t)
-        while sched.queue and self._room():
-            self._dispatch(t)
+        if not sched.policy.holds_starts:
+            while sched.queue and self._room():
+                self._dispatch(t)
+            return
+        held: set[int] = set()  # bands the start rule holds (engine shares)
+        while self._room() and (job := sched.peek(t, held)) is not None:
+            if sched.start_rule(job, self._view(), t) is Start.HELD:
+                held.add(job.priority)
+            else:
+                self._dispatch(t, held)
 
-    def _dispatch(self, t: float) -> None:
-        job = self.sched.dispatch(t)
+    def _view(self) -> EngineView:
+        """The engine as the start rule sees it: its running jobs, the cap, and its iteration
+        time at a batch of B with the running jobs' mean context."""
+        running = list(self.sched.running.values())
+        context = sum(j.prompt_tokens + j.ctx.generated for j in running) // max(1, len(running))
+        cap = self.c.inflight_cap if self.ctl is None else self.ctl.cap
+        profile = self.profile
+        return EngineView(
+            running,
+            cap or self.c.engine.max_seqs,
+            lambda b: profile.iteration_s(b, b * context, 0),
+        )
+
+    def _dispatch(self, t: float, held: AbstractSet[int] = frozenset()) -> None:
+        job = self.sched.dispatch(t, held)
         if job is not None:
             if self.c.forward_priority:
                 job.ctx.priority = self.sched.engine_priority(job, t)

@@ -11,6 +11,10 @@ inner policy. Preemption stays inside a band (the inner policy decides, on the j
 waiting head's band) unless `preempt_lower_bands` lets a waiting job displace a running job of
 a lower band. The engine priority sent to vLLM keeps bands apart: band × a stride wider than
 any inner priority, plus the inner policy's own.
+
+How much of a backend a band may hold while a more urgent band is active is `start_rule`'s
+answer (`engine_shares`, `tpot_slos`: `policies.shares`): the engine asks it before a head
+job starts, and a band held there makes way for the next band's head.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from policies.cost import LinearProfile
 from policies.job import Job
 from policies.queue import WaitingQueue
 from policies.registry import parse_policy, register_policy
+from policies.shares import EngineShares, EngineView, Start
 
 BAND_STRIDE = 2 * PRIORITY_BOUND + 1
 """Engine priorities of consecutive bands are this far apart, so they never overlap."""
@@ -57,10 +62,24 @@ class Bands(Policy):
     preempt_lower_bands: bool = param(
         False, "a waiting job may displace a running job of a lower band"
     )
+    engine_shares: tuple[tuple[int, float], ...] = param(
+        (),
+        "band:share;... fraction of each backend's slots a band may hold while a more urgent "
+        "band is active (policies.shares; else unbounded)",
+    )
+    tpot_slos: tuple[tuple[int, float], ...] = param(
+        (),
+        "band:seconds;... time per output token a band is promised: while it is active, less "
+        "urgent bands start only while the batch's predicted TPOT stays within it",
+    )
+    active_window_s: float = param(
+        10.0, "a band counts as active while it waits or this long after an arrival"
+    )
     engine: LinearProfile | None = engine_param()
     """The engine's cost profile, handed on to the inner policy."""
     _inner: Policy = field(init=False, repr=False, compare=False)
     _queue: BandQueue | None = field(default=None, init=False, repr=False, compare=False)
+    _shares: EngineShares = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for band, share in self.band_shares:
@@ -78,6 +97,10 @@ class Bands(Policy):
         setattr(self, "needs_prediction", self._inner.needs_prediction)  # noqa: B010
         setattr(self, "needs_oracle", self._inner.needs_oracle)  # noqa: B010
         self.preemptive = self._inner.preemptive or self.preempt_lower_bands
+        self._shares = EngineShares(
+            dict(self.engine_shares), dict(self.tpot_slos), self.active_window_s
+        )
+        setattr(self, "holds_starts", self._shares.enabled)  # noqa: B010
 
     @property
     def inner_policy(self) -> Policy:
@@ -122,7 +145,20 @@ class Bands(Policy):
 
     # -- hooks ----------------------------------------------------------------------------
 
+    def start_rule(self, job: Job, engine: EngineView, now: float) -> Start:
+        """The engine shares and TPOT objectives of the bands (`policies.shares`)."""
+        return self._shares.start(job.priority, engine, now, self._waiting)
+
+    def engine_limits(self, engine: EngineView, now: float) -> dict[int, int]:
+        """Band → the slots it may hold on `engine` now (`EngineShares.limits`)."""
+        return self._shares.limits(engine, now, self._waiting)
+
+    def _waiting(self, band: int) -> int:
+        return 0 if self._queue is None else self._queue.waiting_in(band)
+
     def on_admit(self, job: Job, now: float) -> None:
+        if self._shares.enabled:
+            self._shares.arrived(job.priority, now)
         self._inner.on_admit(job, now)
 
     def on_start(self, job: Job, now: float) -> None:
