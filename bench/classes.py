@@ -209,6 +209,18 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=0.5)
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--grace", type=float, default=50.0)
+    ap.add_argument(
+        "--engine-share",
+        type=float,
+        default=0.25,
+        help="the batch band's engine share in the shares arm",
+    )
+    ap.add_argument(
+        "--tpot-slo",
+        type=float,
+        default=0.010,
+        help="the interactive class's TPOT objective (s) in the TPOT arm",
+    )
     ap.add_argument("--experiments", action="store_true")
     ap.add_argument("--live", action="store_true", help="through the gateway on the emulator")
     ap.add_argument("--live-cap", type=int, default=8)
@@ -219,6 +231,7 @@ def main() -> None:
     loads = {"app": args.interactive, "etl": args.batch, "flood": args.flood}
     end = args.seconds + args.grace
     specs = dict(CONTENDERS)
+    specs.update(speed_arms(args.engine_share, args.tpot_slo))
     if args.experiments:
         specs["bands+SageSched, preempt_lower_bands"] = "bands:preempt_lower_bands=true"
     runs: dict[str, list[Row]] = {}
@@ -239,8 +252,50 @@ def main() -> None:
           f"{args.grace:g} s\n")  # fmt: skip
     table(results)
     targets(results, args.ttft_slo)
+    speed_targets(runs, args.ttft_slo)
     if args.experiments:
         experiments(results, args)
+
+
+def speed_arms(share: float, tpot_s: float) -> dict[str, str]:
+    """The arms that keep the interactive band's speed (`policies.shares`)."""
+    return {
+        f"bands+SageSched, batch engine share {share:g}": f"bands:engine_shares=2:{share:g}",
+        f"bands+SageSched, interactive TPOT {1000 * tpot_s:g} ms": f"bands:tpot_slos=0:{tpot_s:g}",
+    }
+
+
+def ci95(values: Sequence[float]) -> str:
+    """Mean ± the 95% half-width over seeds (t distribution)."""
+    from scipy import stats
+
+    v = np.asarray(values, dtype=float)
+    if len(v) < 2:
+        return f"{v.mean():.3f}"
+    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
+    return f"{v.mean():.3f} ± {half:.3f}"
+
+
+def speed_targets(runs: dict[str, list[Row]], slo: float) -> None:
+    """Per seed, against the interactive traffic alone and one SageSched queue: interactive
+    mean TTLT (target within +15%), p99 TTFT (within the SLO), etl's work (>= 90%), and the
+    output tokens finished by the cut-off over all requests (>= 0.95 of one SageSched queue)."""
+    alone = [r["interactive"].ttlt_mean_s for r in runs["SageSched, interactive alone"]]
+    single = [r["all"].work for r in runs["SageSched"]]
+    print("\nspeed targets, mean ± 95% CI over seeds\n")
+    print("| arm | interactive TTLT / alone (≤ 1.15) | interactive p99 TTFT s (≤ "
+          f"{slo:g}) | interactive TPOT ms | etl work (≥ 0.90) | tokens done / one queue "
+          "(≥ 0.95) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    for label in runs:
+        rows = runs[label]
+        if "all" not in rows[0] or "alone" in label:
+            continue
+        ratio = [r["interactive"].ttlt_mean_s / a for r, a in zip(rows, alone, strict=True)]
+        done = [r["all"].work / s for r, s in zip(rows, single, strict=True)]
+        print(f"| {label} | {ci95(ratio)} | {ci95([r['interactive'].ttft_p99_s for r in rows])} "
+              f"| {ci95([r['interactive'].tpot_mean_ms for r in rows])} "
+              f"| {ci95([r['etl'].work for r in rows])} | {ci95(done)} |")  # fmt: skip
 
 
 def targets(results: dict[str, Row], slo: float) -> None:
@@ -337,11 +392,13 @@ def live(args: argparse.Namespace) -> None:
 
 
 def groups(records: Sequence[RequestRecord], trace: Sequence[TraceRequest], end: float) -> Row:
-    """Figures per group: the bands, then each tenant (`records[i]` is `trace[i]`'s)."""
+    """Figures per group: the bands, each tenant, and all requests (`records[i]` is
+    `trace[i]`'s)."""
     by: dict[str, list[RequestRecord]] = {}
     for rec, req in zip(records, trace, strict=True):
         by.setdefault("interactive" if req.priority == 0 else "batch band", []).append(rec)
         by.setdefault(req.tenant or "", []).append(rec)
+        by.setdefault("all", []).append(rec)
     return {name: figures(recs, end) for name, recs in by.items()}
 
 

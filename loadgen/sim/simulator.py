@@ -306,15 +306,18 @@ class _Run:
 
     def _view(self) -> EngineView:
         """The engine as the start rule sees it: its running jobs, the cap, and its iteration
-        time at a batch of B with the running jobs' mean context."""
+        time at a batch of B at the recent mix, as the gateway's fitted curve reads it: the
+        running jobs' mean context, and each running request's share of the prefill (the
+        prompt tokens the engine computed per output token it generated, so far)."""
         running = list(self.sched.running.values())
         context = sum(j.prompt_tokens + j.ctx.generated for j in running) // max(1, len(running))
         cap = self.c.inflight_cap if self.ctl is None else self.ctl.cap
-        profile = self.profile
+        e, profile = self.engine, self.profile
+        prefill = e.prompt_tokens / max(1, e.generated_tokens)
         return EngineView(
             running,
             cap or self.c.engine.max_seqs,
-            lambda b: profile.iteration_s(b, b * context, 0),
+            lambda b: profile.iteration_s(b, b * context, round(b * prefill)),
         )
 
     def _dispatch(self, t: float, held: AbstractSet[int] = frozenset()) -> None:
