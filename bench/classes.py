@@ -21,10 +21,17 @@ mean TTLT in each band within 5% of single-band SageSched on that band's traffic
 
     python bench/classes.py [--seconds 180] [--seeds 2] [--experiments]
 
+Two more arms keep the interactive band's speed (`policies.shares`): the batch band at an
+engine share (`--engine-share`) and an interactive TPOT objective (`--tpot-slo`); their
+targets, per seed with 95% intervals: interactive mean TTLT within 15% of its traffic alone,
+p99 TTFT within the SLO, etl >= 90% of its work, and the output tokens finished by the cut-off
+>= 95% of one SageSched queue's.
+
 `--experiments` adds the runs that explain the gaps (see docs/benchmarks.md): where the
 interactive band's time goes against its traffic alone (queue vs decode speed), SageSched's
 gain over FCFS inside each band against its gain on the band alone, shares when the
-interactive band alone exceeds the engine, and preempting lower bands.
+interactive band alone exceeds the engine, preempting lower bands, and the frontier of
+interactive speed against throughput over TPOT objectives and engine shares.
 """
 
 from __future__ import annotations
@@ -337,6 +344,41 @@ def experiments(results: dict[str, Row], args: argparse.Namespace) -> None:
         ("bands+SageSched, batch share 0.1", "bands:band_shares=2:0.1"),
         ("bands+SageSched, batch share 0.25", "bands:band_shares=2:0.25"))}  # fmt: skip
     table(share)
+    frontier(args)
+
+
+FRONTIER_TPOT_S = (0.0085, 0.009, 0.010, 0.011, 0.012, 0.014)
+FRONTIER_SHARES = (0.05, 0.1, 0.15, 0.25, 0.5)
+
+
+def frontier(args: argparse.Namespace) -> None:
+    """Interactive speed against the fleet's throughput: the TPOT objective and the batch
+    engine share swept on the main mixed trace, means over the seeds."""
+    loads = {"app": args.interactive, "etl": args.batch, "flood": args.flood}
+    end = args.seconds + args.grace
+    arms = {"bands+SageSched (no bound)": "bands"}
+    arms |= {f"TPOT objective {1000 * x:g} ms": f"bands:tpot_slos=0:{x:g}" for x in FRONTIER_TPOT_S}
+    arms |= {f"batch engine share {x:g}": f"bands:engine_shares=2:{x:g}" for x in FRONTIER_SHARES}
+    rows: dict[str, list[tuple[float, ...]]] = {label: [] for label in arms}
+    for seed in range(args.seeds):
+        reqs = mixed_trace(loads, args.seconds, args.sigma, seed)
+        solo = run(alone(reqs, "interactive"), "sagesched", args.sigma, end)["interactive"]
+        single = run(reqs, "sagesched", args.sigma, end)["all"]
+        for label, spec in arms.items():
+            row = run(reqs, spec, args.sigma, end)
+            i = row["interactive"]
+            rows[label].append((i.ttlt_mean_s / solo.ttlt_mean_s, row["all"].work / single.work,
+                                row["etl"].work, i.tpot_mean_ms, solo.tpot_mean_ms,
+                                i.ttft_p99_s))  # fmt: skip
+    print(f"\nspeed against throughput: interactive mean TTLT / its traffic alone, tokens done "
+          f"by the cut-off / one SageSched queue; means of {args.seeds} seeds\n")  # fmt: skip
+    print("| arm | interactive TTLT / alone | tokens done / one queue | etl work | "
+          "interactive TPOT ms (alone) | interactive p99 TTFT s |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, values in rows.items():
+        r, done, etl, tpot, solo_tpot, p99 = np.mean(values, axis=0)
+        print(f"| {label} | {r:.3f} | {done:.3f} | {100 * etl:.0f}% | {tpot:.1f} ({solo_tpot:.1f}) "
+              f"| {p99:.2f} |", flush=True)  # fmt: skip
 
 
 # -- the live run: the same direction through the real gateway on the emulator ---------------
