@@ -383,14 +383,32 @@ def frontier(args: argparse.Namespace) -> None:
 
 # -- the live run: the same direction through the real gateway on the emulator ---------------
 
-LIVE = {
-    "FCFS": ("fcfs", False),
-    "SageSched": ("sagesched", False),
-    "bands+FCFS": ("fcfs", True),
-    "bands+SageSched": ("sagesched", True),
+LIVE: dict[str, tuple[str, bool, float | None]] = {
+    "FCFS": ("fcfs", False, None),
+    "SageSched": ("sagesched", False, None),
+    "bands+FCFS": ("fcfs", True, None),
+    "bands+SageSched": ("sagesched", True, None),
+    "bands+SageSched, batch engine share 0.25": ("sagesched", True, 0.25),
 }
-"""label → (gateway policy, send the class and tenant headers). Without the headers every
-request is one class and one tenant: the gateway's bands reduce to the policy alone."""
+"""label → (gateway policy, send the class and tenant headers, the batch class's
+`engine_share`). Without the headers every request is one class and one tenant: the gateway's
+bands reduce to the policy alone."""
+
+
+def with_batch_share(cfg: Path, share: float) -> None:
+    """The shipped classes in the gateway config `cfg`, the batch class with `share`."""
+    import yaml
+
+    from gateway.config import DEFAULT_CLASSES
+
+    rows = [dataclasses.asdict(c) for c in DEFAULT_CLASSES]
+    for row in rows:
+        row["api_keys"] = list(row["api_keys"])
+        if row["name"] == "batch":
+            row["engine_share"] = share
+    data = yaml.safe_load(cfg.read_text())
+    data["classes"] = {"list": rows}
+    cfg.write_text(yaml.safe_dump(data))
 
 
 def live(args: argparse.Namespace) -> None:
@@ -418,10 +436,12 @@ def live(args: argparse.Namespace) -> None:
                  "cpu-tiny-vllm"), emu + "/health", 60)  # fmt: skip
         warm = work / "warm.jsonl"
         write_warm_set(prompts, warm, holdout=False)
-        for label, (policy, classes) in LIVE.items():
+        for label, (policy, classes, share) in LIVE.items():
             port = free_port()
             cfg = gateway_config(work / f"{port}.yaml", port, emu, policy, args.live_cap, warm,
                                  adaptive=False)  # fmt: skip
+            if share is not None:
+                with_batch_share(cfg, share)
             gw = ch.start(f"gateway-{port}", sagesched("serve", "--config", str(cfg)),
                           f"http://127.0.0.1:{port}/ready", 180, env=ONE_THREAD)  # fmt: skip
             records = asyncio.run(replay(f"http://127.0.0.1:{port}", trace, prompts, classes))
@@ -431,6 +451,12 @@ def live(args: argparse.Namespace) -> None:
     print(f"\nlive, emulator: load {sum(loads.values()):g} for {args.seconds:g} s, cap "
           f"{args.live_cap}; work by the arrivals' end + {args.grace:g} s\n")  # fmt: skip
     table(results)
+    print("\nmeasured time per output token (ms, mean over the band's completed requests)\n")
+    print("| contender | interactive TPOT ms | batch band TPOT ms |")
+    print("|---|---:|---:|")
+    for label, row in results.items():
+        print(f"| {label} | {row['interactive'].tpot_mean_ms:.1f} | "
+              f"{row['batch band'].tpot_mean_ms:.1f} |")  # fmt: skip
 
 
 def groups(records: Sequence[RequestRecord], trace: Sequence[TraceRequest], end: float) -> Row:

@@ -120,7 +120,7 @@ class EngineShares:
         """May a job of `band` start on `engine` now? `waiting(b)`: jobs of band b waiting."""
         if not self.enabled:
             return Start.FREE
-        urgent = [b for b in self._arrived if b < band and self.active(b, now, waiting)]
+        urgent = self._urgent(band, now, waiting)
         share = self.shares.get(band)
         mine = 0 if share is None else sum(1 for j in engine.running if j.priority == band)
         beyond = share is not None and mine >= share_slots(share, engine.cap)
@@ -150,7 +150,7 @@ class EngineShares:
         seen = set(self._arrived) | {j.priority for j in engine.running}
         below = {b for b in seen if b > most_urgent_objective}
         for band in sorted(set(self.shares) | below):
-            urgent = [b for b in self._arrived if b < band and self.active(b, now, waiting)]
+            urgent = self._urgent(band, now, waiting)
             if not urgent:
                 out[band] = engine.cap
                 continue
@@ -159,3 +159,7 @@ class EngineShares:
             others = sum(1 for j in engine.running if j.priority != band)
             out[band] = max(0, min(own, self.batch_bound(urgent, engine) - others))
         return out
+
+    def _urgent(self, band: int, now: float, waiting: Callable[[int], int]) -> list[int]:
+        """The bands more urgent than `band` that are active now."""
+        return [b for b in self._arrived if b < band and self.active(b, now, waiting)]
