@@ -114,8 +114,24 @@ class HistoryIndex:
             kk = min(k, len(self))
             if kk == 0:
                 return [_EMPTY] * x.shape[0]
-            self._index.set_ef(max(self.ef_search, kk))
-            labels, dist = self._index.knn_query(x, k=kk, num_threads=1 if len(x) == 1 else -1)
+            ef = max(self.ef_search, kk)
+            while True:
+                self._index.set_ef(ef)
+                try:
+                    labels, dist = self._index.knn_query(
+                        x, k=kk, num_threads=1 if len(x) == 1 else -1
+                    )
+                    break
+                except RuntimeError:
+                    # hnswlib reached fewer than kk items (its graph, rewired as slots are
+                    # overwritten, can leave some unreachable): search wider, then ask for
+                    # fewer; a prediction never fails for it
+                    if ef < len(self):
+                        ef = min(len(self), 4 * ef)
+                    elif kk > 1:
+                        kk //= 2
+                    else:
+                        return [_EMPTY] * x.shape[0]
             outs, prms = self._output[labels], self._prompt[labels]
         sims = 1.0 - dist.astype(np.float64)
         result = []

@@ -119,3 +119,19 @@ def test_load_refuses_foreign_and_future_files(tmp_path: Path) -> None:
     np.savez(other, header=header)
     with pytest.raises(SnapshotError, match="version 99"):
         HistoryIndex.load(other, dim=DIM)
+
+
+def test_a_graph_that_reaches_fewer_than_k_items_still_answers() -> None:
+    """hnswlib raises when its search reaches fewer than k items (a sparse graph rewired by
+    overwritten slots; seen on the default graph under live traffic, reproduced here with a
+    tiny one): the query searches wider, then asks for fewer, and answers with its nearest."""
+    rng = np.random.default_rng(0)
+    h = HistoryIndex(16, 100, m=2, ef_construction=2, ef_search=1)
+    for _ in range(40):
+        h.add(rng.normal(size=(8, 16)), np.ones(8), np.ones(8))
+    probe = rng.normal(size=(5, 16))
+    h._index.set_ef(1)
+    with pytest.raises(RuntimeError):  # hnswlib alone
+        h._index.knn_query(probe, k=50)
+    found = h.query_many(probe, 50)
+    assert len(found) == 5 and all(0 < len(n.similarity) <= 50 for n in found)
