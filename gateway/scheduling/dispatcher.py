@@ -434,21 +434,18 @@ class Dispatcher:
         return EngineView(list(self._running_on.get(b.name, {}).values()), b.cap, curve)
 
     def engine_shares(self) -> dict[tuple[str, str], int]:
-        """(class, backend) → the slots the class's band may hold there now, for the classes
-        whose band an engine share or a more urgent TPOT objective bounds (metrics)."""
-        out: dict[tuple[str, str], int] = {}
+        """(class, backend) → the slots the class's band may hold there now: its engine share
+        or what a more urgent class's TPOT objective leaves while that class is active, else
+        the backend's cap (metrics)."""
         now = self._clock()
-        for sched in self._schedulers.values():
-            policy = sched.policy
-            if not isinstance(policy, Bands) or not policy.holds_starts:
-                continue
-            for b in self._pool.backends:
-                limits = policy.engine_limits(self._engine_view(b), now)
-                for name, klass in self.classes.by_name.items():
-                    if klass.priority in limits:
-                        key = (name, b.name)
-                        out[key] = min(out.get(key, limits[klass.priority]),
-                                       limits[klass.priority])  # fmt: skip
+        bounded = [s.policy for s in self._schedulers.values()
+                   if isinstance(s.policy, Bands) and s.policy.holds_starts]  # fmt: skip
+        out: dict[tuple[str, str], int] = {}
+        for b in self._pool.backends:
+            limits = [p.engine_limits(self._engine_view(b), now) for p in bounded]
+            for name, klass in self.classes.by_name.items():
+                out[(name, b.name)] = min([b.cap, *(m[klass.priority] for m in limits
+                                                    if klass.priority in m)])  # fmt: skip
         return out
 
     def _grant(self, sched: Scheduler, job: Job, backend: Backend) -> None:
