@@ -606,9 +606,10 @@ class _EngineShares(Collector):
             "urgent class's TPOT bound) while a backend had room; each counted once.",
             labels=("class",),
         )
-        for family, counts in ((lent, d and d.share_lent), (held, d and d.share_held)):
-            for klass, n in (counts or {}).items():
-                family.add_metric((klass,), n)
+        if d is not None:
+            for family, counts in ((lent, d.share_lent), (held, d.share_held)):
+                for klass, n in counts.items():
+                    family.add_metric((klass,), n)
         yield from (slots, lent, held)
 
 

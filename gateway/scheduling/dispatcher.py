@@ -344,21 +344,23 @@ class Dispatcher:
         self._admission.left(job, ticket.klass)
         self._held.discard(job.id)
         self.scheduler(ticket.call.model).finish(job, self._clock())
-        backend, slot.backend = slot.backend, None
-        if backend is not None:
-            self._running_on.get(backend.name, {}).pop(job.id, None)
-            self._pool.release(backend, ticket.call.model, job)  # pumps
+        self._release(slot)
 
     def _requeue(self, slot: LocalSlot, *, preempted: bool) -> None:
         """Give the backend slot back and wait again (after a preemption or a failure)."""
         job = slot.job
-        backend, slot.backend = slot.backend, None
         self.scheduler(job.ctx.call.model).requeue(job, self._clock(), preempted=preempted)
         slot.future = asyncio.get_running_loop().create_future()
         slot.window = None
+        self._release(slot)
+
+    def _release(self, slot: LocalSlot) -> None:
+        """Give back the backend slot `slot` holds, if any (the pool then pumps)."""
+        backend, slot.backend = slot.backend, None
         if backend is not None:
+            job = slot.job
             self._running_on.get(backend.name, {}).pop(job.id, None)
-            self._pool.release(backend, job.ctx.call.model, job)  # pumps
+            self._pool.release(backend, job.ctx.call.model, job)
 
     def _retry_elsewhere(self, slot: LocalSlot, *, backend_down: bool) -> None:
         """The backend failed before the first byte: exclude it and queue again, or raise
