@@ -3,7 +3,12 @@ emulated engine with known coefficients, and SageSched's `time` cost pricing wit
 
 The emulator runs a linear profile (an iteration takes A + B_SEQ·B + B_TOK·P seconds: no
 context term) while clients with short and long prompts keep it busy, so batch and prefill vary
-independently. The fit must recover A, B_SEQ and B_TOK within 20%; a gateway started from the
+independently: the cap's climb moves the batch, and the prompt mix swings every `PHASE_S`
+between mostly short and mostly long. (With a steady mix every one-second interval holds
+about the same share of long prompts, so prefill per iteration barely varies between intervals
+and the per-token prefill cost is weakly determined.)
+
+The fit must recover A, B_SEQ and B_TOK within 20%; a gateway started from the
 remembered curve builds its scheduler with that cost, and `sagesched:cost=time` then orders a
 4,000-token prompt after a 10-token one with the same predicted output distribution (with
 the `tokens` cost the two keys tie).
@@ -29,6 +34,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 A_S, B_SEQ_S, B_TOK_S = 0.010, 0.0006, 0.00004
 CLIENTS = 48
+PHASE_S = 5.0
+LONG_SHARE = (0.1, 0.9)
+"""Share of long prompts in even and odd phases."""
 
 
 class Linear(LatencyProfile):
@@ -41,11 +49,14 @@ class Linear(LatencyProfile):
         return A_S + B_SEQ_S * n_decode + B_TOK_S * prefill_tokens
 
 
-async def _client(session: aiohttp.ClientSession, url: str, seed: int) -> None:
+async def _client(session: aiohttp.ClientSession, url: str, seed: int, start: float) -> None:
     rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
     while True:
+        phase = int((loop.time() - start) // PHASE_S) % 2
+        long = rng.random() < LONG_SHARE[phase]
         # a word of its own in front: no two prompts share a cached prefix
-        prompt = f"w{rng.randrange(10**9)} " + "lorem ipsum " * rng.choice((20, 400))
+        prompt = f"w{rng.randrange(10**9)} " + "lorem ipsum " * (400 if long else 20)
         body = {"model": "tiny-llama", "prompt": prompt,
                 "max_tokens": rng.randint(30, 120), "ignore_eos": True}  # fmt: skip
         async with session.post(url + "/v1/completions", json=body) as r:
@@ -66,7 +77,10 @@ async def test_the_fitted_engine_cost_orders_long_prompts_later(
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=CLIENTS + 4)
         ) as session:
-            clients = [asyncio.create_task(_client(session, gw.url, i)) for i in range(CLIENTS)]
+            start = asyncio.get_running_loop().time()
+            clients = [
+                asyncio.create_task(_client(session, gw.url, i, start)) for i in range(CLIENTS)
+            ]
             await asyncio.sleep(40.0)
             for task in clients:
                 task.cancel()
