@@ -64,6 +64,8 @@ def one_run(i: int, isa: str = "native") -> dict[str, Any]:
         row["upper95"] = val.get("sagesched_over_direct_upper95", float("nan"))
         row["cap"] = [r["cap_at_end"] for r in val["rounds"]]
         row["rounds"] = [r["sagesched_over_direct"] for r in val["rounds"]]
+        # each round's cap over time per arm ((seconds, cap) pairs): why a round ended where it did
+        row["cap_traces"] = [r.get("caps", {}) for r in val["rounds"]]
     return row
 
 
