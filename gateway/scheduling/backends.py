@@ -246,7 +246,8 @@ def read_sample(text: str) -> EngineSample:
 
 
 class BackendPool:
-    """All backends, their health loop and (optionally) the adaptive-cap loop."""
+    """All backends, their health loop and (when a self-tuning cap or the router needs the
+    engine's view) a loop per backend scraping its `/metrics`."""
 
     def __init__(
         self,
@@ -322,7 +323,13 @@ class BackendPool:
                 if b.controller.confident():
                     log.info("backend %s: remembered curve, cap %d", b.name, b.controller.cap)
             self.set_cap(b, b.controller.cap)
-            self._tasks.append(asyncio.create_task(self._adapt_loop(b), name=f"cap-{b.name}"))
+        # the engine's queue and KV: for the self-tuning cap, and for a router that reads them
+        engine_view = self._router.reads_engine and len(self.backends) > 1
+        for b in self.backends:
+            if b.controller is not None or engine_view:
+                self._tasks.append(
+                    asyncio.create_task(self._scrape_loop(b), name=f"scrape-{b.name}")
+                )
         if self._memory_path and self._law is not None:
             self._tasks.append(asyncio.create_task(self._memory_loop(), name="cap-memory"))
 
@@ -537,31 +544,34 @@ class BackendPool:
             await asyncio.sleep(self._interval)
             await asyncio.gather(*(self.check(b) for b in self.backends))
 
-    async def _adapt_loop(self, b: Backend) -> None:
-        assert b.controller is not None
-        wait_s = b.controller.interval_s
+    async def _scrape_loop(self, b: Backend) -> None:
+        wait_s = self._adaptive.interval_s if b.controller is None else b.controller.interval_s
         while True:
             await asyncio.sleep(wait_s)
             if b.healthy:
-                wait_s = await self._adapt(b)
+                wait_s = await self._scrape(b)
 
-    async def _adapt(self, b: Backend) -> float:
-        """One scrape of `b`'s `/metrics` and one step of its cap controller. Returns the
-        seconds until the next scrape."""
-        assert b.controller is not None
+    async def _scrape(self, b: Backend) -> float:
+        """One scrape of `b`'s `/metrics`: the engine's queue and KV the router sees, and one
+        step of its cap controller when the cap tunes itself. Returns the seconds until the
+        next scrape."""
+        ctl = b.controller
+        interval_s = self._adaptive.interval_s if ctl is None else ctl.interval_s
         try:
             status, text = await self._get(b, "/metrics")
             sample = read_sample(text) if status == 200 else EngineSample()
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            return b.controller.interval_s  # no reading this time: wait for the next one
+            return interval_s  # no reading this time: wait for the next one
         b.observed(sample)
-        changes = b.controller.changes
-        self.set_cap(b, b.controller.observe(time.monotonic(), sample, b.inflight))
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("backend %s: %s", b.name, json.dumps(b.controller.trace(sample, b.inflight)))
-        if b.controller.changes != changes:
-            log.warning("backend %s no longer matches its curve: learning it again", b.name)
-        return NO_METRICS_RETRY_S if status == 404 else b.controller.interval_s
+        if ctl is not None:
+            changes = ctl.changes
+            self.set_cap(b, ctl.observe(time.monotonic(), sample, b.inflight))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("backend %s: %s", b.name, json.dumps(ctl.trace(sample, b.inflight)))
+            if ctl.changes != changes:
+                log.warning("backend %s no longer matches its curve: learning it again", b.name)
+            interval_s = ctl.interval_s
+        return NO_METRICS_RETRY_S if status == 404 else interval_s
 
     def set_cap(self, b: Backend, new: int) -> None:
         """Apply a new cap; a larger one wakes the dispatcher."""

@@ -102,12 +102,15 @@ class Router(Parametrised, abc.ABC):
     """Base class of every router. Subclasses are dataclasses registered by name.
 
     Class attributes: `name` (CLI, label, report), `description` (one line), `uses_prefix`
-    (reads `Job.prefix`: the engine must fill it for the router to be of use).
+    (reads `Job.prefix`: the engine must fill it for the router to be of use), `reads_engine`
+    (reads what only the engine knows, `BackendState.waiting`, `kv_usage` and `kv_blocks`: an
+    engine must keep them current for the router to decide as designed).
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     uses_prefix: ClassVar[bool] = False
+    reads_engine: ClassVar[bool] = False
 
     @abc.abstractmethod
     def pick(self, job: Job, backends: Sequence[BackendState]) -> BackendState | None:
@@ -170,6 +173,7 @@ class PrefixRouter(Router):
     """
 
     uses_prefix = True
+    reads_engine = True  # the index is sized from `kv_blocks`
     _sent: PrefixIndexes = state(PrefixIndexes)
     _decision: Job | None = state(lambda: None)
     """The job whose matches `_matched` holds (the decision under way)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 from aiohttp import web
@@ -79,10 +81,71 @@ async def test_one_scrape_steps_the_controller(text: str, status: int, expect: i
             pool.listen(lambda: woken.append(1))
             b = pool.backends[0]
             b.healthy, b.inflight = True, 16
-            await pool._adapt(b)  # a queue seen once may be a prompt waiting for one step
+            await pool._scrape(b)  # a queue seen once may be a prompt waiting for one step
             assert b.cap == 16
-            await pool._adapt(b)
+            await pool._scrape(b)
             assert b.cap == expect
     finally:
         await runner.cleanup()
     assert not woken  # the cap did not grow
+
+
+QUEUED = """\
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 3.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",num_gpu_blocks="32"} 1.0
+"""
+
+
+@pytest.mark.parametrize(("routing", "scraped"), [("prefix", True), ("least-loaded", False)])
+async def test_a_router_that_reads_the_engine_gets_it_with_fixed_caps(
+    routing: str, scraped: bool
+) -> None:
+    """With the cap fixed there is no controller to scrape for, yet a prefix router scores
+    the engines' queues and sizes its index from their KV: the pool scrapes for it (and does
+    not for a router that reads neither)."""
+    from policies.routing import make_router
+
+    hits: list[str] = []
+
+    async def metrics(_: web.Request) -> web.Response:
+        hits.append("metrics")
+        return web.Response(text=QUEUED)
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/v1/models", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    rows = [BackendConfig(url=url, name=n, max_inflight=4) for n in ("a", "b")]
+    try:
+        async with aiohttp.ClientSession() as session:
+            pool = BackendPool(
+                rows, session, health_interval_s=60.0, router=make_router(routing),
+                adaptive=AdaptiveCapConfig(enabled=False, interval_s=0.02),
+            )  # fmt: skip
+            await pool.start()
+            for _ in range(50):  # up to 1 s: ~50 scrape intervals
+                if len(hits) >= 4:
+                    break
+                await asyncio.sleep(0.02)
+            states = [b.state() for b in pool.backends]
+            await pool.stop()
+    finally:
+        await runner.cleanup()
+    assert (len(hits) >= 4) is scraped, hits
+    if scraped:
+        assert all(s.waiting == 3 and s.kv_usage == 0.25 for s in states), states
+        assert all(s.kv_tokens == 32 * 128 for s in states), states
+    else:
+        assert all(s.waiting is None and s.kv_blocks is None for s in states), states
+    assert all(b.cap == 4 for b in pool.backends)  # fixed means fixed

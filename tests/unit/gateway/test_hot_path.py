@@ -164,7 +164,7 @@ async def test_a_backend_without_metrics_is_scraped_rarely(
         b = pool.backends[0]
         b.healthy = True
         assert b.controller is not None
-        wait_s = await pool._adapt(b)
+        wait_s = await pool._scrape(b)
         assert wait_s == (NO_METRICS_RETRY_S if rare else b.controller.interval_s)
     finally:
         await runner.cleanup()
