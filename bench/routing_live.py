@@ -15,8 +15,10 @@ endpoint) and a fresh gateway (fixed cap `--cap` per backend, queue `--policy`).
   128-token blocks each (the gateway and this client share the machine with them).
 
 Per router: mean TTFT and mean end-to-end latency of the turns (median over rounds), the
-engines' own prefix-cache hit ratio (hits over queries), and the ratios to least-loaded
-(inside each round, then the median). Prints a table; `--out` writes the rounds as JSON.
+engines' own prefix-cache hit ratio (hits over queries), the ratios to least-loaded (inside
+each round, then the median), and how unevenly the prompt tokens were spread (the busiest
+engine's prefix-cache queries over the engines' mean). Prints a table; `--out` writes the
+rounds as JSON.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def one_run(
                                             timeout_s=300))  # fmt: skip
     after = [counters(u) for u in urls]
     ok = [t.result for t in turns if t.result.ok]
-    queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    per_engine = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    queries = sum(per_engine)
     hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     return {
         "routing": routing,
@@ -93,6 +96,7 @@ def one_run(
         "ttft_mean_s": statistics.fmean(r.ttft_s for r in ok),
         "e2e_mean_s": statistics.fmean(r.ttlt_s for r in ok),
         "hit_ratio": hits / queries if queries else float("nan"),
+        "busiest": max(per_engine) / statistics.fmean(per_engine) if queries else float("nan"),
     }
 
 
@@ -102,17 +106,17 @@ def table(rounds: list[list[dict[str, Any]]], routers: Sequence[str]) -> str:
     by = [{r["routing"]: r for r in runs} for runs in rounds]
     base = routers[0]
     head = ("| router | mean TTFT ms | mean E2E ms | engines' hit ratio | TTFT / "
-            f"{base} | E2E / {base} | failed |")  # fmt: skip
-    lines = [head, "|---|" + "---:|" * 6]
+            f"{base} | E2E / {base} | busiest / mean | failed |")  # fmt: skip
+    lines = [head, "|---|" + "---:|" * 7]
     for name in routers:
         med = {k: statistics.median(b[name][k] for b in by)
-               for k in ("ttft_mean_s", "e2e_mean_s", "hit_ratio")}  # fmt: skip
+               for k in ("ttft_mean_s", "e2e_mean_s", "hit_ratio", "busiest")}  # fmt: skip
         ttft = statistics.median(b[name]["ttft_mean_s"] / b[base]["ttft_mean_s"] for b in by)
         e2e = statistics.median(b[name]["e2e_mean_s"] / b[base]["e2e_mean_s"] for b in by)
         failed = sum(b[name]["failed"] for b in by)
         lines.append(f"| {name} | {med['ttft_mean_s'] * 1000:.1f} | "
                      f"{med['e2e_mean_s'] * 1000:.1f} | {med['hit_ratio']:.3f} | {ttft:.3f} | "
-                     f"{e2e:.3f} | {failed} |")  # fmt: skip
+                     f"{e2e:.3f} | {med['busiest']:.2f} | {failed} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -105,6 +105,10 @@ class PredictorConfig:
     max_pending_items: int = 4_096
     """Bound of the async embedder's queue; protects memory when the model falls behind."""
 
+    learn_wait_ms: float = 50.0
+    """How long a completion `observe_async` learns waits for others, so that one trip to a
+    worker thread learns them together."""
+
     embed_backend: str = "onnx-int8"
     """Embedding model backend (`predictor.encoders`): "onnx-int8" (onnxruntime on a local int8
     export; the default, ranks as well as fp32, docs/benchmarks.md "ONNX embedder"), "onnx"
@@ -173,8 +177,10 @@ class PredictorConfig:
             raise ValueError("prior_weight must be in [0, 1)")
         if not 0.0 <= self.embed_head_fraction <= 1.0:
             raise ValueError("embed_head_fraction must be in [0, 1]")
-        if self.max_wait_ms < 0 or self.prior_median_tokens < 1:
-            raise ValueError("max_wait_ms must be >= 0 and prior_median_tokens >= 1")
+        if self.max_wait_ms < 0 or self.learn_wait_ms < 0 or self.prior_median_tokens < 1:
+            raise ValueError(
+                "max_wait_ms and learn_wait_ms must be >= 0 and prior_median_tokens >= 1"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for logs, JSON reports and snapshots)."""

@@ -12,7 +12,9 @@ for anything, and a missing model is a `ModelNotFoundError` at startup, never a 
 `AsyncEmbedder` collects concurrent `embed()` calls into batches (at most `max_batch_items`,
 waiting at most `max_wait_ms` after the first) and runs each batch on one dedicated worker
 thread, so the event loop never blocks on the model (docs/benchmarks.md has the costs per
-backend); a cached text is answered at once, on the loop.
+backend); a cached text is answered at once, on the loop. `embed_then` hands the worker what to
+do with each embedding too (the predictor's neighbour query and rank score), so a request
+crosses to a thread once for all of it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -198,7 +200,9 @@ class EmbedderClosedError(RuntimeError):
     """`AsyncEmbedder.embed` was called after, or was pending at, `close()`."""
 
 
-_Pending = tuple[str, "asyncio.Future[Embeddings]"]
+_Then = Callable[[Embeddings], Any]
+"""Work on one embedding, run on the embedder's worker thread right after its batch."""
+_Pending = tuple[str, "asyncio.Future[Any]", _Then | None]
 
 
 class AsyncEmbedder:
@@ -233,10 +237,22 @@ class AsyncEmbedder:
             raise EmbedderClosedError("embedder is closed")
         if (vec := self.embedder.cached(text)) is not None:  # no queue, no thread, no wait
             return vec
+        result: Embeddings = await self._submit(text, None)
+        return result
+
+    async def embed_then(self, text: str, then: _Then) -> Any:
+        """`then(embedding)` of one text, run on the worker thread after its batch is
+        embedded (a cached text's too: `then` never runs on the loop). Its exception is this
+        caller's alone."""
+        if self._closed:
+            raise EmbedderClosedError("embedder is closed")
+        return await self._submit(text, then)
+
+    async def _submit(self, text: str, then: _Then | None) -> Any:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="embedder")
-        fut: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
-        await self._queue.put((text, fut))
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        await self._queue.put((text, fut, then))
         return await fut
 
     async def _next_batch(self) -> list[_Pending]:
@@ -259,26 +275,42 @@ class AsyncEmbedder:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._next_batch()
-            live = [(t, f) for t, f in batch if not f.done()]  # drop cancelled callers
+            live = [p for p in batch if not p[1].done()]  # drop cancelled callers
             if not live:
                 continue
-            texts = [t for t, _ in live]
             try:
-                vecs = await loop.run_in_executor(self._pool, self.embedder.encode, texts)
+                results = await loop.run_in_executor(self._pool, self._work, live)
             except asyncio.CancelledError:  # close(): this batch's callers learn why
-                for _, f in live:
+                for _, f, _ in live:
                     if not f.done():
                         f.set_exception(EmbedderClosedError("embedder closed"))
                 raise
             except Exception as exc:  # the model failed: every caller of this batch sees it
-                for _, f in live:
+                for _, f, _ in live:
                     if not f.done():
                         f.set_exception(exc)
                 continue
             self.batches += 1
-            for (_, f), v in zip(live, vecs, strict=True):
+            for (_, f, _), (ok, value) in zip(live, results, strict=True):
                 if not f.done():
-                    f.set_result(v)
+                    if ok:
+                        f.set_result(value)
+                    else:
+                        f.set_exception(value)
+
+    def _work(self, batch: list[_Pending]) -> list[tuple[bool, Any]]:
+        """One batch on the worker thread: one forward pass, then each caller's `then`."""
+        vecs = self.embedder.encode([text for text, _, _ in batch])
+        out: list[tuple[bool, Any]] = []
+        for (_, _, then), vec in zip(batch, vecs, strict=True):
+            if then is None:
+                out.append((True, vec))
+                continue
+            try:
+                out.append((True, then(vec)))
+            except Exception as exc:  # the caller's own failure, handed to it
+                out.append((False, exc))
+        return out
 
     async def close(self) -> None:
         """Stop the worker; pending callers get `EmbedderClosedError`. Idempotent."""
@@ -290,7 +322,7 @@ class AsyncEmbedder:
             await asyncio.wait([self._task])
             self._task = None
         while not self._queue.empty():
-            _, fut = self._queue.get_nowait()
+            _, fut, _ = self._queue.get_nowait()
             if not fut.done():
                 fut.set_exception(EmbedderClosedError("embedder closed"))
         self._pool.shutdown(wait=False)

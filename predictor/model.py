@@ -45,6 +45,9 @@ Learned = Callable[[str | None, Embeddings, int, int], None]
 """A listener told of each completion `observe_async` learned: (model, embedding, prompt
 tokens, output tokens). Called on the event loop; it must not block (`predictor.shared`)."""
 
+_Completion = tuple[str | None, Embeddings, int, int]
+"""One completion waiting to be learned: (model, embedding, prompt tokens, output tokens)."""
+
 _PRIOR_SIGMA = 1.0  # log-space spread of the cold-start prior (±1σ ≈ ×2.7)
 
 
@@ -158,6 +161,8 @@ class LengthPredictor:
         self._states_lock = threading.Lock()
         self._prior = prior_dist(cfg.prior_median_tokens)
         self._async: AsyncEmbedder | None = None
+        self._learning: tuple[list[_Completion], asyncio.Task[None]] | None = None
+        """The completions `observe_async` is gathering, and the task that will learn them."""
         self.listeners: list[Learned] = []
         """Told of every completion `observe_async` learns (not of `learn_vectors` calls, so
         records learned from other replicas are not echoed back)."""
@@ -322,6 +327,32 @@ class LengthPredictor:
             vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
         )
 
+    async def refine_async(
+        self,
+        prompt: str,
+        *,
+        prompt_tokens: float | None = None,
+        max_tokens: float | None = None,
+        model: str | None = None,
+    ) -> tuple[Embeddings, LengthDist, float]:
+        """The prompt's embedding, its `predict_vector` and its `rank_score`, with one trip
+        off the loop: on the embedder's worker right after the prompt's batch, or (a cached
+        embedding) one worker thread for the query and the score."""
+
+        def then(vec: Embeddings) -> tuple[Embeddings, LengthDist, float]:
+            dist = self.predict_vector(
+                vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
+            )
+            return vec, dist, self.rank_score(vec, prompt_tokens, model)
+
+        text = self.text(prompt)
+        if (vec := self.embedder.cached(text)) is not None:
+            return await asyncio.to_thread(then, vec)
+        result: tuple[Embeddings, LengthDist, float] = await self._async_embedder().embed_then(
+            text, then
+        )
+        return result
+
     async def predict_vector_async(
         self,
         vector: Embeddings,
@@ -351,7 +382,10 @@ class LengthPredictor:
         return self._async
 
     async def aclose(self) -> None:
-        """Stop the async embedder (pending calls fail); sync methods keep working."""
+        """Learn the completions still gathering, then stop the async embedder (pending calls
+        fail); sync methods keep working."""
+        if self._learning is not None:
+            await asyncio.wait([self._learning[1]])
         if self._async is not None:
             await self._async.close()
             self._async = None
@@ -408,13 +442,35 @@ class LengthPredictor:
         model: str | None = None,
     ) -> None:
         """`observe` for the gateway: batched embedding (none if `vector`, the prompt's
-        embedding, is given), index and model updates off the loop."""
+        embedding, is given); the index and model updates off the loop, gathered with the
+        completions of the next `learn_wait_ms` into one worker-thread trip. Returns once
+        learned."""
         vec = vector if vector is not None else await self.embed_async(prompt)
         if prompt_tokens is None:
             prompt_tokens = (await asyncio.to_thread(self.count_tokens, [prompt]))[0]
-        await asyncio.to_thread(self.learn_vectors, vec, [output_tokens], [prompt_tokens], model)
+        if self._learning is None:  # the first of a batch: the others join it for a while
+            gathered: list[_Completion] = []
+            flush = asyncio.get_running_loop().create_task(self._learn_later(gathered))
+            self._learning = (gathered, flush)
+        gathered, flush = self._learning
+        gathered.append((model, vec, prompt_tokens, output_tokens))
+        await asyncio.shield(flush)  # a cancelled caller's completion is still learned
         for listener in self.listeners:
             listener(model, vec, prompt_tokens, output_tokens)
+
+    async def _learn_later(self, gathered: list[_Completion]) -> None:
+        """Learn `gathered` after `learn_wait_ms`, in one worker-thread trip."""
+        await asyncio.sleep(self.config.learn_wait_ms / 1000.0)
+        self._learning = None  # later completions start the next batch
+        await asyncio.to_thread(self._learn_gathered, gathered)
+
+    def _learn_gathered(self, gathered: list[_Completion]) -> None:
+        by_model: dict[str | None, list[_Completion]] = {}
+        for row in gathered:
+            by_model.setdefault(row[0], []).append(row)
+        for model, rows in by_model.items():
+            vectors = np.stack([np.asarray(r[1], dtype=np.float32).reshape(-1) for r in rows])
+            self.learn_vectors(vectors, [r[3] for r in rows], [r[2] for r in rows], model)
 
     def warm_start(
         self, jsonl: str | os.PathLike[str], batch_size: int = 256, *, model: str | None = None

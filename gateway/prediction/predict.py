@@ -176,15 +176,12 @@ class Prediction:
         ticket: Ticket = job.ctx
         call, trace = ticket.call, ticket.trace
         start = time.monotonic()
-        ticket.prompt_vector = vec = await predictor.embed_async(embedded_text(ticket))
-        # the prompt count runs beside the embedding and is never waited for: if it is done,
+        # the prompt count runs beside the prediction and is never waited for: if it is done,
         # `job.prompt_tokens` is the backend's count; if not, it rekeys the queued job when it is
-        dist = await predictor.predict_vector_async(
-            vec, prompt_tokens=job.prompt_tokens, max_tokens=call.max_tokens, model=call.model
-        )
-        job.rank_score = await asyncio.to_thread(
-            predictor.rank_score, vec, job.prompt_tokens, call.model
-        )
+        ticket.prompt_vector, dist, job.rank_score = await predictor.refine_async(
+            embedded_text(ticket),
+            prompt_tokens=job.prompt_tokens, max_tokens=call.max_tokens, model=call.model,
+        )  # fmt: skip
         trace.predictor_s = time.monotonic() - start
         trace.predicted_median = dist.quantile(0.5)
         job.dist = dist

@@ -89,6 +89,32 @@ async def test_cancelled_caller_does_not_break_the_batch(embedder: Embedder) -> 
         assert doomed.cancelled()
 
 
+async def test_work_after_the_embedding_runs_in_the_batch_and_fails_alone(
+    embedder: Embedder,
+) -> None:
+    """`embed_then`: each caller's work runs on the worker after its batch's forward pass
+    (one batch for all), and one caller's failing work fails that caller only."""
+    import threading
+
+    texts = [f"after-work text {i} about sailing" for i in range(6)]
+
+    def norm(vec: np.ndarray) -> tuple[float, str]:
+        return float(np.linalg.norm(vec)), threading.current_thread().name
+
+    def boom(vec: np.ndarray) -> None:
+        raise ArithmeticError("this caller's own")
+
+    async with AsyncEmbedder(embedder, max_batch_items=16, max_wait_ms=30) as front:
+        out = await asyncio.gather(
+            *(front.embed_then(t, norm) for t in texts), front.embed_then("x y z", boom),
+            return_exceptions=True,
+        )  # fmt: skip
+        assert front.batches == 1
+    assert isinstance(out[-1], ArithmeticError)
+    assert all(isinstance(r, tuple) and r[0] == pytest.approx(1.0, abs=1e-4) for r in out[:-1])
+    assert all(r[1].startswith("embedder") for r in out[:-1])  # type: ignore[index]
+
+
 def test_threads_setting_applies(embedder: Embedder) -> None:
     """The fixture asked for one intra-op thread; it reaches the default (ONNX) backend's
     session, and torch's process-wide setting when the reference backend is built."""

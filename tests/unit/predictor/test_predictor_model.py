@@ -127,3 +127,67 @@ def test_blend_prefers_neighbours_with_similar_prompt_length() -> None:
         min_neighbours=1, prior_weight=0.0, prompt_length_scale_log=0.0, neighbour_spread_scale=1
     )
     assert blend(nb, LengthDist.point(1), off, prompt_tokens=12).cdf(20) == pytest.approx(0.5)
+
+
+async def test_refine_async_is_the_prediction_and_the_rank_score_in_one_trip(
+    predictor: LengthPredictor,
+) -> None:
+    """The embedding, its prediction and its rank score come back together, equal to the
+    separate calls', computed on the embedder's worker (an uncached prompt) or one worker
+    thread (a cached one), never on the loop."""
+    import threading
+
+    predictor.observe_many(POEMS + ESSAYS, [60, 70, 65, 55, 62, 1500, 1700, 1600, 1800, 1550])
+    loop_thread = threading.get_ident()
+    ran_on: list[int] = []
+    score = predictor.rank_score
+
+    def spy(*args: object, **kw: object) -> float:
+        ran_on.append(threading.get_ident())
+        return score(*args, **kw)  # type: ignore[arg-type]
+
+    predictor.rank_score = spy  # type: ignore[method-assign]
+    prompt = "Write a detailed essay on the history of Chile."
+    try:
+        first = await predictor.refine_async(prompt, prompt_tokens=12, max_tokens=900)
+        again = await predictor.refine_async(prompt, prompt_tokens=12, max_tokens=900)
+    finally:
+        await predictor.aclose()
+    vec = predictor.embed([prompt])[0]
+    dist = predictor.predict_vector(vec, prompt_tokens=12, max_tokens=900)
+    for got_vec, got_dist, got_score in (first, again):
+        assert np.allclose(got_vec, vec, atol=1e-6)
+        assert got_dist.quantile(0.5) == dist.quantile(0.5) and got_dist.support[-1] <= 900
+        assert got_score == pytest.approx(score(vec, 12))
+    assert len(ran_on) == 2 and loop_thread not in ran_on
+
+
+async def test_concurrent_completions_are_learned_in_one_trip(
+    predictor: LengthPredictor,
+) -> None:
+    """Completions arriving together are learned by one `learn_vectors` call per model, each
+    caller returning once its completion is in the history; listeners hear every one."""
+    calls: list[tuple[str | None, int]] = []
+    learn = predictor.learn_vectors
+
+    def counting(
+        vectors: object, outputs: list[float], prompts: list[float], model: object
+    ) -> None:
+        calls.append((model, len(outputs)))  # type: ignore[arg-type]
+        learn(vectors, outputs, prompts, model)  # type: ignore[arg-type]
+
+    predictor.learn_vectors = counting  # type: ignore[method-assign]
+    heard: list[int] = []
+    predictor.listeners.append(lambda model, vec, p, out: heard.append(out))
+    prompts = POEMS + ESSAYS
+    try:
+        await asyncio.gather(
+            *(predictor.observe_async(p, 100 + i, 10, model="m" if i % 2 else None)
+              for i, p in enumerate(prompts))
+        )  # fmt: skip
+        await predictor.observe_async("Write a short poem about dawn.", 58, 9)  # a new batch
+    finally:
+        await predictor.aclose()
+    assert sorted(calls, key=str) == sorted([(None, 5), ("m", 5), (None, 1)], key=str)
+    assert len(predictor.index) == 6 and len(predictor.own_state("m").index) == 5
+    assert sorted(heard) == sorted([100 + i for i in range(10)] + [58])
