@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import shutil
 import sys
@@ -91,13 +92,25 @@ def shared_prompt(i: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, *short_prompt(i)]
 
 
-PROMPTS = {"short": short_prompt, "shared": shared_prompt}
+def repeated_prompt(i: int) -> list[dict[str, str]]:
+    """The same question every time: each embedding after the first is a cache hit, so what
+    SageSched costs beyond the embedder's forward pass shows."""
+    return short_prompt(0)
+
+
+PROMPTS = {"short": short_prompt, "shared": shared_prompt, "repeated": repeated_prompt}
+
+
+SENT = itertools.count()
+"""Requests sent by this process: each request's prompt is `prompt(next(SENT))`, so no two in
+a run are the same (a repeated one would be an embedding-cache hit)."""
 
 
 async def open_loop(
     url: str, rate: float, seconds: float, prompt: Callable[[int], Any] = short_prompt
 ) -> int:
-    """Send `rate` × `seconds` requests on schedule (`prompt(i)`: distinct); wait for all."""
+    """Send `rate` × `seconds` requests on schedule, each with a prompt not sent before in this
+    run; wait for all."""
     n = int(rate * seconds)
 
     async def one(s: aiohttp.ClientSession, i: int) -> None:
@@ -110,7 +123,7 @@ async def open_loop(
         t0, tasks = time.monotonic(), []
         for i in range(n):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-            tasks.append(asyncio.create_task(one(s, i)))
+            tasks.append(asyncio.create_task(one(s, next(SENT))))
         await asyncio.gather(*tasks)
     return n
 
@@ -296,7 +309,8 @@ def main() -> None:
     ap.add_argument("--backends", type=int, default=1, help="backend addresses (one server)")
     ap.add_argument("--prompts", choices=sorted(PROMPTS), default="short",
                     help="short: distinct one-liners; shared: 16 system prompts of ~1,300 "
-                    "characters, then a distinct question")  # fmt: skip
+                    "characters, then a distinct question; repeated: one question every time "
+                    "(embedding-cache hits)")  # fmt: skip
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",")

@@ -11,16 +11,18 @@ must hold all of them, and its LRU evicts what the next turn needs. (With a cach
 than everything, a turn least-loaded sends to the other server of two still finds its
 earlier turns there half the time, and no router can read more than about twice its hits.)
 
-Asserted from the engines' counters (`vllm:prefix_cache_hits` over
-`vllm:prefix_cache_queries`, deltas per run), not from times, so a busy machine cannot flip
-it: the hit ratio with `prefix` and with the default `sagesched` router is above the
-least-loaded one and at least 0.85× that of the `session` router (each conversation pinned
-by its header: what perfect stickiness reads here). Against least-loaded, measured
-1.2-2.2× over runs: with two servers a least-loaded turn still lands where its history is
-about half the time, and at this light load least-loaded's ties go to the first server,
-which keeps some conversations in place by accident. Each router replays the same
-conversations after both caches are reset (`POST /reset_prefix_cache`, vLLM's development
-endpoint). The figures go to
+Asserted from the engines' counters (`vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`,
+deltas per run), not from times, so a busy machine cannot flip it: the hit ratio with `prefix`
+and with the default `sagesched` router is above the least-loaded one and at least 0.85× that
+of the `session` router (each conversation pinned by its header: what perfect stickiness reads
+here); measured 0.97-0.98× (`prefix`) and 0.91× (`sagesched`). The caps are fixed, and the
+gateway still scrapes each server's `/metrics` for these routers (vLLM's waiting queue and KV
+size: without it `prefix` scored the gateway's in-flight count as the engine queue and moved
+conversations for one running request, reading 0.85-0.87× here). Against least-loaded, measured
+1.2-2.2× over runs: with two servers a least-loaded turn still lands where its history is about
+half the time, and at this light load least-loaded's ties go to the first server, which keeps
+some conversations in place by accident. Each router replays the same conversations after both
+caches are reset (`POST /reset_prefix_cache`, vLLM's development endpoint). The figures go to
 `.cache/routing-real-vllm.json`.
 
 The servers also publish their KV-cache events (`--kv-events-config`): a second test checks
