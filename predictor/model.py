@@ -384,8 +384,9 @@ class LengthPredictor:
     async def aclose(self) -> None:
         """Learn the completions still gathering, then stop the async embedder (pending calls
         fail); sync methods keep working."""
-        if self._learning is not None:
-            await asyncio.wait([self._learning[1]])
+        batch = self._learning
+        if batch is not None and batch[1].get_loop() is asyncio.get_running_loop():
+            await asyncio.wait([batch[1]])
         if self._async is not None:
             await self._async.close()
             self._async = None
@@ -448,11 +449,12 @@ class LengthPredictor:
         vec = vector if vector is not None else await self.embed_async(prompt)
         if prompt_tokens is None:
             prompt_tokens = (await asyncio.to_thread(self.count_tokens, [prompt]))[0]
-        if self._learning is None:  # the first of a batch: the others join it for a while
-            gathered: list[_Completion] = []
-            flush = asyncio.get_running_loop().create_task(self._learn_later(gathered))
-            self._learning = (gathered, flush)
-        gathered, flush = self._learning
+        loop = asyncio.get_running_loop()
+        batch = self._learning
+        if batch is None or batch[1].done() or batch[1].get_loop() is not loop:
+            gathered: list[_Completion] = []  # the first of a batch: others join it a while
+            batch = self._learning = (gathered, loop.create_task(self._learn_later(gathered)))
+        gathered, flush = batch
         gathered.append((model, vec, prompt_tokens, output_tokens))
         await asyncio.shield(flush)  # a cancelled caller's completion is still learned
         for listener in self.listeners:
@@ -460,8 +462,11 @@ class LengthPredictor:
 
     async def _learn_later(self, gathered: list[_Completion]) -> None:
         """Learn `gathered` after `learn_wait_ms`, in one worker-thread trip."""
-        await asyncio.sleep(self.config.learn_wait_ms / 1000.0)
-        self._learning = None  # later completions start the next batch
+        try:
+            await asyncio.sleep(self.config.learn_wait_ms / 1000.0)
+        finally:  # later completions start the next batch (also if this one was cancelled)
+            if self._learning is not None and self._learning[0] is gathered:
+                self._learning = None
         await asyncio.to_thread(self._learn_gathered, gathered)
 
     def _learn_gathered(self, gathered: list[_Completion]) -> None:

@@ -191,3 +191,21 @@ async def test_concurrent_completions_are_learned_in_one_trip(
     assert sorted(calls, key=str) == sorted([(None, 5), ("m", 5), (None, 1)], key=str)
     assert len(predictor.index) == 6 and len(predictor.own_state("m").index) == 5
     assert sorted(heard) == sorted([100 + i for i in range(10)] + [58])
+
+
+async def test_a_batch_cancelled_at_shutdown_does_not_wedge_later_learning(
+    predictor: LengthPredictor,
+) -> None:
+    """A batch whose task was cancelled (its loop stopping) is dropped; the next completion
+    starts a batch of its own and is learned."""
+    first = asyncio.create_task(predictor.observe_async(POEMS[0], 60, 10))
+    await asyncio.sleep(0)  # `first` has started a batch and waits for it
+    assert predictor._learning is not None
+    predictor._learning[1].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    try:
+        await asyncio.wait_for(predictor.observe_async(POEMS[1], 61, 10), 5.0)
+    finally:
+        await predictor.aclose()
+    assert len(predictor.index) == 1
