@@ -309,8 +309,8 @@ class LengthPredictor:
 
     async def embed_async(self, prompt: str) -> Embeddings:
         """One prompt's embedding, micro-batched with concurrent callers, never blocking the
-        loop. With `predict_vector_async` now and `observe_async(..., vector=)` later, a prompt
-        is embedded once instead of twice."""
+        loop. With `observe_async(..., vector=)` later, a prompt is embedded once instead of
+        twice (`refine_async` returns the embedding with its prediction)."""
         return await self._async_embedder().embed(self.text(prompt))
 
     async def predict_async(
@@ -321,11 +321,12 @@ class LengthPredictor:
         max_tokens: float | None = None,
         model: str | None = None,
     ) -> LengthDist:
-        """`predict`, micro-batched with concurrent callers, never blocking the loop."""
-        vec = await self.embed_async(prompt)
-        return await self.predict_vector_async(
-            vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
+        """`predict`, micro-batched with concurrent callers, never blocking the loop (the
+        distribution of `refine_async`)."""
+        refined = await self.refine_async(
+            prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
         )
+        return refined[1]
 
     async def refine_async(
         self,
@@ -352,23 +353,6 @@ class LengthPredictor:
             text, then
         )
         return result
-
-    async def predict_vector_async(
-        self,
-        vector: Embeddings,
-        *,
-        prompt_tokens: float | None = None,
-        max_tokens: float | None = None,
-        model: str | None = None,
-    ) -> LengthDist:
-        """`predict_vector` off the loop (the index query)."""
-        return await asyncio.to_thread(
-            self.predict_vector,
-            vector,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            model=model,
-        )
 
     def _async_embedder(self) -> AsyncEmbedder:
         if self._async is None:
