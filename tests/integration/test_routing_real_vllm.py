@@ -15,7 +15,7 @@ Asserted from the engines' counters (`vllm:prefix_cache_hits` over `vllm:prefix_
 deltas per run), not from times, so a busy machine cannot flip it: the hit ratio with `prefix`
 and with the default `sagesched` router is above the least-loaded one and at least 0.85× that
 of the `session` router (each conversation pinned by its header: what perfect stickiness reads
-here); measured 0.91-0.98× (`prefix`) and 0.91× (`sagesched`). The caps are fixed, and the
+here); measured 0.91-1.00× (`prefix`) and 0.91-0.94× (`sagesched`). The caps are fixed, and the
 gateway still scrapes each server's `/metrics` for these routers (vLLM's waiting queue and KV
 size: without it `prefix` scored the gateway's in-flight count as the engine queue and moved
 conversations for one running request, reading 0.85-0.87× here). Against least-loaded, measured
