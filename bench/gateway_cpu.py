@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
@@ -50,14 +51,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gateway_overhead import BACKEND, NGINX, PY, gateway_cmd, process
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds of process `pid`, all its live threads: the scheduler's own count
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each live thread of process `pid`: the scheduler's own count
     (`schedstat`, nanoseconds), not the 10 ms ticks of `/proc/PID/stat`, which undercount a
     proxy that runs in short bursts between ticks."""
-    total = 0
+    out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of process `pid`, all its live threads."""
+    return sum(thread_cpu_s(pid).values())
 
 
 def tree(pid: int) -> list[int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_cpu import BACKEND, PY, gateway, open_loop, tree_cpu_s
+from gateway_cpu import BACKEND, PY, gateway, open_loop, thread_cpu_s, tree_cpu_s
 from gateway_overhead import process
 
 from loadgen.procs import free_port
@@ -49,15 +48,6 @@ PARTS = (
 )  # fmt: skip
 """(part, substrings of a frame): a sample is charged to the first part one of its frames
 matches, the innermost frames tried first."""
-
-
-def thread_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds of each live thread of `pid` (the scheduler's count, as `gateway_cpu`)."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):
-            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
-    return out
 
 
 def part_of(frames: list[str]) -> str:

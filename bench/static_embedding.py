@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from predictor import Embedder, LengthPredictor, PredictorConfig  # noqa: E402
 from predictor.encoders import Embeddings, register  # noqa: E402
-from predictor.evaluate import SemanticPredictor, evaluate  # noqa: E402
+from predictor.evaluate import SemanticPredictor, evaluate, fill_prompt_tokens  # noqa: E402
 from predictor.model import read_jsonl  # noqa: E402
 
 SETS = {"sharegpt": ("sharegpt", "sharegpt"), "alpaca": ("alpaca", "alpaca"),
@@ -91,10 +91,7 @@ def main() -> None:
         for name, embedder in embedders.items():
             model = LengthPredictor(PredictorConfig(embed_backend=name), embedder=embedder)
             for records in (train, test):
-                todo = [r for r in records if "prompt_tokens" not in r]
-                counts = model.count_tokens([r["prompt"] for r in todo])
-                for r, n in zip(todo, counts, strict=True):
-                    r["prompt_tokens"] = n
+                fill_prompt_tokens(model, records)  # once: the second embedder finds them all
             row = evaluate([SemanticPredictor(model)], train, test)["semantic"]
             prompts = [model.text(r["prompt"]) for r in test[: args.prompts]]
             cpu = cpu_ms_per_prompt(embedder, prompts)

@@ -87,6 +87,7 @@ def _eval(args: argparse.Namespace) -> int:
         SemanticPredictor,
         cached_embeddings,
         evaluate,
+        fill_prompt_tokens,
     )
     from predictor.model import LengthPredictor, read_jsonl
     from predictor.tuning import cross_validate
@@ -95,9 +96,7 @@ def _eval(args: argparse.Namespace) -> int:
     model = LengthPredictor(config)
     train, test = list(read_jsonl(args.train)), list(read_jsonl(args.test))
     for records in (train, test):
-        missing = [r for r in records if "prompt_tokens" not in r]
-        for r, n in zip(missing, model.count_tokens([r["prompt"] for r in missing]), strict=True):
-            r["prompt_tokens"] = n
+        fill_prompt_tokens(model, records)
     chosen: dict[str, Any] = {}
     if args.cv_folds > 1:
         vectors = cached_embeddings(model, [r["prompt"] for r in train], args.cache_dir)

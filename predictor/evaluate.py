@@ -172,6 +172,13 @@ class SemanticPredictor:
         return self.model.predict_vectors(vectors, prompts)
 
 
+def fill_prompt_tokens(model: LengthPredictor, records: Sequence[Record]) -> None:
+    """Give each record without a `prompt_tokens` count the model's count of its prompt."""
+    missing = [r for r in records if "prompt_tokens" not in r]
+    for r, n in zip(missing, model.count_tokens([r["prompt"] for r in missing]), strict=True):
+        r["prompt_tokens"] = n
+
+
 def cached_embeddings(
     model: LengthPredictor, prompts: Sequence[str], cache_dir: str | os.PathLike[str] | None
 ) -> NDArray[np.float32]:

@@ -134,7 +134,8 @@ async def test_a_router_that_reads_the_engine_gets_it_with_fixed_caps(
                 adaptive=AdaptiveCapConfig(enabled=False, interval_s=0.02),
             )  # fmt: skip
             await pool.start()
-            for _ in range(50):  # up to 1 s: ~50 scrape intervals
+            # scraped: until both backends were read twice (at most 5 s); not: 15 intervals
+            for _ in range(250 if scraped else 15):
                 if len(hits) >= 4:
                     break
                 await asyncio.sleep(0.02)

@@ -180,9 +180,11 @@ async def test_concurrent_completions_are_learned_in_one_trip(
     heard: list[int] = []
     predictor.listeners.append(lambda model, vec, p, out: heard.append(out))
     prompts = POEMS + ESSAYS
+    vectors = predictor.embed(prompts)  # embedded beforehand: all ten arrive in one tick
     try:
         await asyncio.gather(
-            *(predictor.observe_async(p, 100 + i, 10, model="m" if i % 2 else None)
+            *(predictor.observe_async(p, 100 + i, 10, vector=vectors[i],
+                                      model="m" if i % 2 else None)
               for i, p in enumerate(prompts))
         )  # fmt: skip
         await predictor.observe_async("Write a short poem about dawn.", 58, 9)  # a new batch
