@@ -33,6 +33,12 @@ gateway; the engine model's state in the simulator), one `observe` per sample:
    and below the estimate, so the batch varies and the fit can tell the fixed cost from the
    per-request cost. Until the curve is trusted, both read the estimate discounted by its
    own uncertainty (`doubt` standard errors), so an uncertain curve errs toward the floor.
+   Exploration goes on only while it can pay: if the fit's error, falling as one over the
+   root of its evidence, would need more than `explore_horizon` further observations to be
+   trusted (a noisy engine), the cap rests at that discounted estimate for
+   `explore_rest_s` (doubling each time, up to `explore_rest_max_s`), then probes once above
+   and below and judges again. So a curve that stays uncertain leaves the cap at one level,
+   not alternating between probes.
 4. **Remember.** `memory()` is the fit's state; a controller built with it (`memory=`) starts
    at the remembered efficient batch. If the engine no longer matches the remembered curve
    (the median relative error of the last `change_window` intervals above `change_error`:
@@ -117,6 +123,17 @@ class CapLaw:
     discounted by this many standard errors (B_f · exp(-doubt · se)): an uncertain curve errs
     toward the floor, where the gateway's order works, not above the knee, where the backlog
     leaves the gateway for the engine's own FCFS queue."""
+    explore_horizon: float = 20.0
+    """Further observations the fit may need to be trusted (projected from its error and
+    evidence, the error falling as 1 / sqrt(evidence)) for exploring to go on; beyond, the
+    cap rests at the discounted estimate."""
+    explore_judged_after: float = 12.0
+    """Observations the fit holds before exploration is judged (a projection from fewer is
+    itself noise)."""
+    explore_rest_s: float = 15.0
+    """The first rest of an exploration that cannot pay; each further one doubles."""
+    explore_rest_max_s: float = 240.0
+    """The longest rest."""
     refine_step: float = 0.15
     """Once trusted, until its error halves: relative distance above and below the estimate
     the cap alternates between."""
@@ -153,6 +170,8 @@ class CapLaw:
             raise ValueError("need 0 < explore_step < 1 and confident_error > 0")
         if self.doubt < 0:
             raise ValueError("need doubt >= 0")
+        if self.explore_horizon < 0 or not 0 < self.explore_rest_s <= self.explore_rest_max_s:
+            raise ValueError("need explore_horizon >= 0 and 0 < explore_rest_s <= its max")
         if not 0 < self.backoff < 1 or self.change_window < 2 or self.min_iterations <= 0:
             raise ValueError("need 0 < backoff < 1, change_window >= 2, min_iterations > 0")
 
@@ -193,6 +212,12 @@ class CapController:
         """The exploration dither's last direction (+1 above the estimate, -1 below)."""
         self._observed = False
         """Has the fit had an observation at the current cap since it came into force?"""
+        self._rest: tuple[int, float] | None = None
+        """(cap, until) while an exploration that cannot pay rests."""
+        self._rests = 0
+        """Rests in a row (each doubles the next)."""
+        self._probes_due = 0
+        """Probes made after a rest before exploration is judged again."""
         if memory is not None:
             self._recall(memory)
 
@@ -251,6 +276,7 @@ class CapController:
             "sample": {k: v for k, v in asdict(sample).items() if v is not None},
             "slow_start": self.slow_start,
             "settled": self._settled,
+            "rest": self._rest,
             "ceiling": self._ceiling,
             "efficient": None if est is None else [round(est[0], 2), round(est[1], 3)],
             "mix": [round(v, 3) for v in self.fit.mix()],
@@ -295,7 +321,7 @@ class CapController:
             # no throughput series: plain AIMD growth while the engine has room
             binding = inflight >= law.busy_fraction * self.cap
             return self._move(self._grown() if binding else self.cap, now)
-        return self._move(self._target(inflight), now)
+        return self._move(self._target(inflight, now), now)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -352,6 +378,7 @@ class CapController:
             self._errors.clear()
             self._suspects.clear()
             self._settled = False
+            self._rest, self._rests, self._probes_due = None, 0, 0
             self.changes += 1
 
     def _limit(
@@ -377,7 +404,7 @@ class CapController:
         self._ceiling = (new, now + hold)
         return self._move(new, now)
 
-    def _target(self, inflight: int) -> int:
+    def _target(self, inflight: int, now: float) -> int:
         """Where the curve says the cap belongs, or the next exploration level."""
         law = self.law
         est = self.efficient_batch()
@@ -412,6 +439,10 @@ class CapController:
             if fixed <= 0:  # no fixed cost to share: a smaller batch loses no throughput
                 return max(self.floor, self.cap // 2)
         cautious = None if est is None else est[0] * math.exp(-law.doubt * est[1])
+        resting = self._resting(est, cautious, now)
+        if resting is not None:
+            self.slow_start = False
+            return resting
         if self.slow_start and (cautious is None or self.cap < 2 * cautious):
             if self.cap >= law.max_cap:
                 return self.cap // 2  # the top, still no curve: look below instead
@@ -421,6 +452,29 @@ class CapController:
         direction = -self._explore
         self._explore = direction
         return max(self.floor, round(centre * (1 + direction * law.explore_step)))
+
+    def _resting(
+        self, est: tuple[float, float] | None, cautious: float | None, now: float
+    ) -> int | None:
+        """The level an exploration that cannot pay rests at, None while exploring goes on."""
+        law = self.law
+        if self._rest is not None:
+            if now < self._rest[1]:
+                return self._rest[0]
+            self._rest, self._probes_due = None, 2  # probe above and below, then judge
+        if est is None or cautious is None or self.fit.observations < law.explore_judged_after:
+            return None  # exploring is how the fit gets an estimate worth judging
+        if self._probes_due > 0:
+            self._probes_due -= 1
+            return None
+        needed = self.fit.observations * ((est[1] / law.confident_error) ** 2 - 1)
+        if needed <= law.explore_horizon:
+            self._rests = 0
+            return None
+        rest_s = min(law.explore_rest_s * 2**self._rests, law.explore_rest_max_s)
+        self._rests += 1
+        self._rest = (max(self.floor, round(cautious)), now + rest_s)
+        return self._rest[0]
 
     def _grown(self) -> int:
         factor = self.law.slow_start_factor if self.slow_start else 1 + self.law.explore_step

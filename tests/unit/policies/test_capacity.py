@@ -164,6 +164,28 @@ def test_an_uncertain_cap_errs_high() -> None:
     assert min(unfloored) < 8, unfloored
 
 
+def test_an_exploration_that_cannot_pay_rests_at_one_level() -> None:
+    """A noisy engine (20% jitter per sample, knee 15): where the fit's error could not
+    reach `confident_error` within `explore_horizon` more observations, the cap rests at the
+    discounted estimate instead of alternating between probes. Over six runs' last 30 s the
+    cap moves a few times in all; with an endless horizon (always explore) the same runs move
+    it dozens of times."""
+
+    def moves(law: CapLaw) -> tuple[int, int]:
+        total = rested = 0
+        for seed in range(6):
+            e = LinearEngine(0.0053, 0.002, noise=0.2, seed=seed)
+            ctl = CapController(law, 8)
+            caps = e.drive(ctl, 60.0)[-30:]
+            total += sum(a != b for a, b in zip(caps, caps[1:], strict=False))
+            rested += ctl.trace(EngineSample(), 0)["rest"] is not None
+        return total, rested
+
+    (resting, rested), (probing, _) = moves(CapLaw()), moves(CapLaw(explore_horizon=math.inf))
+    assert resting <= 10 and rested >= 4, (resting, rested)
+    assert probing >= 30, probing
+
+
 def test_an_untrusted_memory_lends_its_evidence_not_its_cap() -> None:
     """A gateway stopped while its cap explored low (the curve not trusted yet) restarts
     at its configured cap, in slow start, with the evidence kept."""
@@ -306,6 +328,8 @@ def test_law_validation() -> None:
         CapLaw(slow_start_factor=1.0)
     with pytest.raises(ValueError):
         CapLaw(plateau_fraction=1.0)
+    with pytest.raises(ValueError):
+        CapLaw(explore_rest_s=300.0)  # beyond its own maximum
 
 
 def test_the_cost_profile_comes_from_the_fit() -> None:
