@@ -231,6 +231,13 @@ class AsyncEmbedder:
         self.batches = 0
         """Model calls made so far (for tests and metrics)."""
 
+    @classmethod
+    def for_config(cls, embedder: Embedder, config: PredictorConfig) -> AsyncEmbedder:
+        """The micro-batching front with the config's batch, wait and pending bounds."""
+        return cls(embedder, max_batch_items=config.max_batch_items,
+                   max_wait_ms=config.max_wait_ms,
+                   max_pending_items=config.max_pending_items)  # fmt: skip
+
     async def embed(self, text: str) -> Embeddings:
         """The embedding (shape (dim,)) of one text, batched with concurrent callers."""
         if self._closed:

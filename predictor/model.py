@@ -341,10 +341,7 @@ class LengthPredictor:
         embedding) one worker thread for the query and the score."""
 
         def then(vec: Embeddings) -> tuple[Embeddings, LengthDist, float]:
-            dist = self.predict_vector(
-                vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
-            )
-            return vec, dist, self.rank_score(vec, prompt_tokens, model)
+            return (vec, *self._refined(vec, prompt_tokens, max_tokens, model))
 
         text = self.text(prompt)
         if (vec := self.embedder.cached(text)) is not None:
@@ -354,15 +351,39 @@ class LengthPredictor:
         )
         return result
 
+    async def refine_vector_async(
+        self,
+        vector: Embeddings,
+        *,
+        prompt_tokens: float | None = None,
+        max_tokens: float | None = None,
+        model: str | None = None,
+    ) -> tuple[LengthDist, float]:
+        """`refine_async` of a prompt embedded elsewhere (a worker process): its
+        `predict_vector` and `rank_score` in one worker-thread trip."""
+        return await asyncio.to_thread(self._refined, vector, prompt_tokens, max_tokens, model)
+
+    async def global_dist_async(
+        self, prompt_tokens: float | None = None, *, model: str | None = None
+    ) -> LengthDist:
+        """`global_dist` (cached, microseconds), for callers that may ask another process."""
+        return self.global_dist(prompt_tokens, model=model)
+
+    def _refined(
+        self,
+        vec: Embeddings,
+        prompt_tokens: float | None,
+        max_tokens: float | None,
+        model: str | None,
+    ) -> tuple[LengthDist, float]:
+        dist = self.predict_vector(
+            vec, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
+        )
+        return dist, self.rank_score(vec, prompt_tokens, model)
+
     def _async_embedder(self) -> AsyncEmbedder:
         if self._async is None:
-            cfg = self.config
-            self._async = AsyncEmbedder(
-                self.embedder,
-                max_batch_items=cfg.max_batch_items,
-                max_wait_ms=cfg.max_wait_ms,
-                max_pending_items=cfg.max_pending_items,
-            )
+            self._async = AsyncEmbedder.for_config(self.embedder, self.config)
         return self._async
 
     async def aclose(self) -> None:

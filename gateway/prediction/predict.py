@@ -8,7 +8,10 @@ length from the prompt's embedding it already made. Work beside requests is boun
 (`MAX_PENDING`) and awaited at `stop`.
 
 Per app, paired: `start` loads the predictor (or takes the one the app was given) and starts
-the snapshot saver; `stop` waits for the work beside requests, saves and closes it.
+the snapshot saver; `stop` waits for the work beside requests, saves and closes it. A worker of
+`serve --workers N` owns no predictor: its `host` is the host's (`Predicts`, over the socket;
+`gateway.workers.host_predictor`), and the authority's `Prediction` owns the one predictor,
+answering the workers' `predict_embedded` and `learn_embedded`.
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import GatewayConfig
 from gateway.prediction import memory, shared_learning
 from gateway.scheduling.dispatcher import Dispatcher, Ticket
 from gateway.scheduling.prompts import PromptCounter
-from policies import Job
+from policies import Job, LengthDist
 
 if TYPE_CHECKING:
     from predictor import LengthPredictor
+    from predictor.embedder import Embedder
+    from predictor.encoders import Embeddings
     from predictor.shared import SharedLearning
 
 log = logging.getLogger("sagesched.gateway")
@@ -36,6 +41,39 @@ log = logging.getLogger("sagesched.gateway")
 MAX_PENDING = 1024
 """Predictor work running beside requests at most (refinements, learning): bounds memory if
 the predictor falls behind the traffic (more is shed)."""
+
+
+class Predicts(Protocol):
+    """What a request's prediction asks of a predictor: a `LengthPredictor` in the process, or
+    a worker's view of its host's (`gateway.workers.host_predictor.HostPredictor`)."""
+
+    @property
+    def embedder(self) -> Embedder: ...
+
+    async def refine_async(
+        self,
+        prompt: str,
+        *,
+        prompt_tokens: float | None = ...,
+        max_tokens: float | None = ...,
+        model: str | None = ...,
+    ) -> tuple[Embeddings, LengthDist, float]: ...
+
+    async def global_dist_async(
+        self, prompt_tokens: float | None = ..., *, model: str | None = ...
+    ) -> LengthDist: ...
+
+    async def observe_async(
+        self,
+        prompt: str,
+        output_tokens: int,
+        prompt_tokens: int,
+        *,
+        vector: Embeddings | None = ...,
+        model: str | None = ...,
+    ) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 class Prediction:
@@ -48,14 +86,20 @@ class Prediction:
         counter: PromptCounter | None = None,
         *,
         given: LengthPredictor | None = None,
+        host: Callable[[], Awaitable[Predicts]] | None = None,
     ) -> None:
         """`counter`: the backends' tokenizers (None: characters / 4 only); `given`: a loaded
-        predictor to use instead of loading one (tests, embedding)."""
+        predictor to use instead of loading one (tests, embedding); `host`: a worker's, makes
+        its view of the host's predictor (the worker then loads, learns and saves nothing)."""
         self._config = config
         self._dispatcher = dispatcher
         self._counter = counter
         self._given = given
-        self.predictor: LengthPredictor | None = None
+        self._host = host
+        self.predictor: Predicts | None = None
+        """What this process's requests are predicted with (None: no prediction)."""
+        self.local: LengthPredictor | None = None
+        """The predictor this process owns (loads, snapshots, shares); None in a worker."""
         self.shared: SharedLearning | None = None
         """Learning shared with other replicas through Redis (`shared_learning`; None: off)."""
         """None when the policy needs no prediction and none was asked for."""
@@ -80,11 +124,15 @@ class Prediction:
             )
         if not enabled:
             return
+        if self._host is not None:
+            self.predictor = await self._host()
+            return
         if self._given is not None:
-            self.predictor = self._given
+            local = self._given
         else:
-            self.predictor = await asyncio.to_thread(_load, self._config)
-        self.shared = await shared_learning.start(self._config, self.predictor)
+            local = await asyncio.to_thread(_load, self._config)
+        self.predictor = self.local = local
+        self.shared = await shared_learning.start(self._config, local)
         if settings.snapshot_path and settings.save_interval_s > 0:
             self._saver = asyncio.create_task(self._save_loop(), name="predictor-saver")
 
@@ -103,11 +151,12 @@ class Prediction:
             await self.shared.stop()
             self.shared = None
         predictor, self.predictor = self.predictor, None
+        local, self.local = self.local, None
         if predictor is None:
             return
         path = self._config.predictor.snapshot_path
-        if path:
-            await asyncio.to_thread(_save, predictor, path)
+        if path and local is not None:
+            await asyncio.to_thread(_save, local, path)
         # The async embedder is bound to this loop; a shared predictor makes a new one lazily.
         with contextlib.suppress(Exception):
             await predictor.aclose()
@@ -117,8 +166,8 @@ class Prediction:
         assert settings.snapshot_path
         while True:
             await asyncio.sleep(settings.save_interval_s)
-            if self.predictor is not None:
-                save = asyncio.to_thread(_save, self.predictor, settings.snapshot_path)
+            if self.local is not None:
+                save = asyncio.to_thread(_save, self.local, settings.snapshot_path)
                 self._saving = asyncio.ensure_future(save)
                 await asyncio.shield(self._saving)
 
@@ -157,10 +206,10 @@ class Prediction:
         ticket: Ticket = job.ctx
         call = ticket.call
         if not has_text(ticket):  # token ids only: nothing to embed (see `has_text`)
-            _global(predictor, job)
+            await _global(predictor, job)
             return
         if self._dispatcher.can_start_now(call.model):
-            _global(predictor, job)
+            await _global(predictor, job)
             ticket.refining = self._beside(self._refine(predictor, job))
             return
         await self._refine(predictor, job)
@@ -172,7 +221,26 @@ class Prediction:
         if self.predictor is not None and ticket.trace.output_tokens > 0 and has_text(ticket):
             self._beside(_observe(self.predictor, ticket))
 
-    async def _refine(self, predictor: LengthPredictor, job: Job) -> None:
+    async def predict_embedded(
+        self, vector: Embeddings, prompt_tokens: float | None, max_tokens: float | None,
+        model: str | None,
+    ) -> tuple[LengthDist, float]:  # fmt: skip
+        """A worker's prompt, embedded there: its distribution and rank score."""
+        assert self.local is not None, "the host's predictor is not loaded"
+        return await self.local.refine_vector_async(
+            vector, prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model
+        )
+
+    def learn_embedded(self, model: str | None, vector: Embeddings, prompt_tokens: int,
+                       output_tokens: int) -> None:  # fmt: skip
+        """A worker's completion, embedded there: learnt in the background, batched with the
+        others (`observe_async`)."""
+        if self.local is not None and output_tokens > 0:
+            self._beside(self.local.observe_async(
+                "", output_tokens, prompt_tokens, vector=vector, model=model
+            ))  # fmt: skip
+
+    async def _refine(self, predictor: Predicts, job: Job) -> None:
         ticket: Ticket = job.ctx
         call, trace = ticket.call, ticket.trace
         start = time.monotonic()
@@ -223,14 +291,14 @@ def embedded_text(ticket: Ticket) -> str:
     return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
-def _global(predictor: LengthPredictor, job: Job) -> None:
+async def _global(predictor: Predicts, job: Job) -> None:
     """The recent global distribution at the job's prompt size, capped at its max tokens."""
     call = job.ctx.call
-    dist = predictor.global_dist(job.prompt_tokens, model=call.model)
+    dist = await predictor.global_dist_async(job.prompt_tokens, model=call.model)
     job.dist = dist if call.max_tokens is None else dist.truncate(call.max_tokens)
 
 
-async def _observe(predictor: LengthPredictor, ticket: Ticket) -> None:
+async def _observe(predictor: Predicts, ticket: Ticket) -> None:
     """Learn with the prompt's embedding from the prediction: wait for a prediction still
     running beside the request rather than embed the prompt a second time (if the prediction
     failed or was shed, the prompt is embedded now)."""

@@ -50,7 +50,7 @@ from gateway.errors import (
 )
 from gateway.observability.capture import CaptureWriter
 from gateway.observability.metrics import GatewayMetrics, RequestTrace
-from gateway.prediction.predict import Prediction
+from gateway.prediction.predict import Prediction, Predicts
 from gateway.scheduling.backends import BackendPool, curve_view
 from gateway.scheduling.classes import CLASS_HEADER
 from gateway.scheduling.dispatcher import Dispatcher
@@ -100,7 +100,8 @@ class GatewayState:
 
     @property
     def predictor(self) -> LengthPredictor | None:
-        return self.prediction.predictor
+        """The predictor this process owns (None in a worker of `serve --workers N`)."""
+        return self.prediction.local
 
     @property
     def background(self) -> set[asyncio.Task[None]]:
@@ -114,6 +115,10 @@ class Remote(Protocol):
     def attach(
         self, session: aiohttp.ClientSession, policy: Policy, config: GatewayConfig
     ) -> tuple[BackendPool, Dispatcher]: ...
+
+    async def host_predictor(self) -> Predicts:
+        """The worker's view of the host's one predictor."""
+        ...
 
 
 STATE = web.AppKey("sagesched_state", GatewayState)
@@ -212,7 +217,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     metrics.watch(pool, dispatcher)
     counter = PromptCounter(pool, session, config.tokenizer) if config.tokenizer.enabled else None
     given = app.get(PREDICTOR)
-    prediction = Prediction(config, dispatcher, counter, given=given)  # type: ignore[arg-type]
+    host = None if remote is None else remote.host_predictor
+    prediction = Prediction(config, dispatcher, counter, given=given, host=host)  # type: ignore[arg-type]
     await prediction.start()
     if prediction.predictor is not None:
         cache = prediction.predictor.embedder.cache

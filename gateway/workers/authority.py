@@ -24,13 +24,14 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.observability.metrics import GatewayMetrics, RequestTrace, merge_expositions
+from gateway.prediction.predict import Prediction
 from gateway.scheduling.backends import BackendPool
 from gateway.scheduling.dispatcher import Dispatcher, LocalSlot
 from gateway.scheduling.slot import Attempt, Grant, PreemptWindow
@@ -38,6 +39,9 @@ from gateway.serving.openai_api import Call
 from gateway.workers import wire
 from policies import Job, parse_policy
 from policies.routing import parse_router
+
+if TYPE_CHECKING:
+    from predictor import LengthPredictor
 
 log = logging.getLogger("sagesched.authority")
 
@@ -115,8 +119,10 @@ class WorkerConn:
 class Authority:
     """The pool, the dispatcher and the workers' connections (paired `start` / `stop`)."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, *, predictor: LengthPredictor | None = None) -> None:
+        """`predictor`: a loaded one for the host (tests; else loaded as the config says)."""
         self.config = config
+        self._given = predictor
         self.metrics = GatewayMetrics()
         self.workers: list[WorkerConn] = []
         self._server: asyncio.Server | None = None
@@ -131,6 +137,8 @@ class Authority:
         """Counters and histograms of workers that are gone, at their last scrape: a
         restarted worker counts from zero, and the sum must not fall back."""
         self._sids = iter(range(1, 1 << 62))
+        self.prediction: Prediction | None = None
+        """The host's one predictor (made at `start`)."""
 
     async def start(self, path: str) -> None:
         config = self.config
@@ -148,6 +156,11 @@ class Authority:
         self.metrics.declare_classes(config.classes.list, config.classes.tenant_labels)
         self.metrics.watch(self.pool, self.dispatcher)
         self.metrics.watch_engine_shares(self.dispatcher)
+        # the host's one predictor: the workers embed, it predicts, learns and snapshots
+        self.prediction = prediction = Prediction(config, self.dispatcher, given=self._given)
+        await prediction.start()
+        if prediction.shared is not None:
+            self.metrics.watch_shared_learning(prediction.shared.stats)
         self.pool.listen(self._soon)
         await self.pool.start()
         self._server = await asyncio.start_unix_server(self._serve, path, limit=wire.LINE_LIMIT)
@@ -168,6 +181,8 @@ class Authority:
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
+        if self.prediction is not None:
+            await self.prediction.stop()  # learns what the workers sent last, then saves
         if self._session is not None:
             await self.pool.stop()
             await self._session.close()
@@ -237,6 +252,9 @@ class Authority:
             self._changed.set()
         elif op == "call":
             asyncio.create_task(self._answer(conn, msg))  # noqa: RUF006 - short, self-ending
+        elif op == "learn" and self.prediction is not None:
+            self.prediction.learn_embedded(msg["model"], wire.vector_of(msg["vector"]),
+                                           msg["prompt_tokens"], msg["output_tokens"])  # fmt: skip
         elif op == "exposition":
             self._scraped(conn, msg)
 
@@ -387,17 +405,43 @@ class Authority:
     # -- calls: metrics and admin views ---------------------------------------------------
 
     async def _answer(self, conn: WorkerConn, msg: wire.Message) -> None:
+        try:
+            data = await self._data(msg)
+        except Exception as exc:
+            log.exception("authority: failed on a %s call from worker %d", msg["what"],
+                          conn.index)  # fmt: skip
+            error = exc if isinstance(exc, GatewayError) else GatewayError("internal error")
+            conn.send({"op": "reply", "sid": msg["sid"], "error": wire.error_fields(error)})
+            return
+        conn.send({"op": "reply", "sid": msg["sid"], "data": data})
+
+    async def _data(self, msg: wire.Message) -> Any:
+        """The answer to a worker's call (`wire` lists them)."""
         what = msg["what"]
+        prediction = self.prediction
+        local = None if prediction is None else prediction.local
+        if what in ("predictor", "predict", "global") and (prediction is None or local is None):
+            raise GatewayError("the gateway's predictor is off")
+        if what == "predictor":
+            assert local is not None
+            return local.config.to_dict()
+        if what == "predict":
+            assert prediction is not None
+            dist, rank = await prediction.predict_embedded(
+                wire.vector_of(msg["vector"]), msg["prompt_tokens"], msg["max_tokens"],
+                msg["model"])  # fmt: skip
+            return {**wire.dist_field(dist), "rank_score": rank}
+        if what == "global":
+            assert local is not None
+            return wire.dist_field(local.global_dist(msg["prompt_tokens"], model=msg["model"]))
         if what == "metrics":
-            data: Any = (await self.exposition()).decode()
-        elif what == "queue":
+            return (await self.exposition()).decode()
+        if what == "queue":
             d = self.dispatcher
-            data = {"policy": d.label, "waiting": d.waiting(), "jobs": d.snapshot(),
+            return {"policy": d.label, "waiting": d.waiting(), "jobs": d.snapshot(),
                     "running": d.running_snapshot(),
                     "workers": [c.describe() for c in self.workers]}  # fmt: skip
-        else:
-            data = self._pool_rows()
-        conn.send({"op": "reply", "sid": msg["sid"], "data": data})
+        return self._pool_rows()
 
     async def exposition(self) -> bytes:
         """This process's series merged with every worker's (those answering in time)."""

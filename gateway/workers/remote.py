@@ -44,7 +44,8 @@ from gateway.workers import wire
 from policies import Job, Policy
 
 if TYPE_CHECKING:
-    from predictor import LengthPredictor
+    from gateway.workers.host_predictor import HostPredictor
+    from predictor import Embedder
 
 log = logging.getLogger("sagesched.remote")
 
@@ -283,6 +284,8 @@ class AuthorityLink:
         self._lost: list[Callable[[], None]] = []
         self.gone: AuthorityGone | None = None
         """Set once the connection closed: nothing can be admitted or granted any more."""
+        self.embedder: Embedder | None = None
+        """A loaded embedder for the worker's predictor (tests; None: load the host's)."""
         self._first_pool = self.loop.create_future()
         self._task = asyncio.create_task(self._read(), name="authority-link")
 
@@ -324,11 +327,18 @@ class AuthorityLink:
     def on_lost(self, callback: Callable[[], None]) -> None:
         self._lost.append(callback)
 
-    async def call(self, what: str) -> Any:
-        """Ask the authority for `metrics` (text), `queue` or `backends` (admin views)."""
+    async def host_predictor(self) -> HostPredictor:
+        """The worker's view of the host's one predictor (it embeds with the same config)."""
+        from gateway.workers.host_predictor import HostPredictor
+
+        return await HostPredictor.build(self, self.embedder)
+
+    async def call(self, what: str, **args: Any) -> Any:
+        """Ask the authority for `metrics` (text), `queue` or `backends` (admin views), or
+        its predictor's `predictor` (config), `predict` or `global` (`wire` lists them)."""
         sid = next(self._sids)
         future = self._calls[sid] = self.loop.create_future()
-        self.send({"op": "call", "sid": sid, "what": what})
+        self.send({"op": "call", "sid": sid, "what": what, **args})
         try:
             return await asyncio.wait_for(future, 10)
         finally:
@@ -366,6 +376,8 @@ class AuthorityLink:
         elif op == "scrape":
             text = self.own_exposition().decode()
             self.send({"op": "exposition", "sid": msg["sid"], "text": text})
+        elif op == "reply" and "error" in msg:
+            _fail(self._calls.get(msg["sid"]), wire.rebuild_error(msg["error"]))
         elif op == "reply":
             _resolve(self._calls.get(msg["sid"]), msg["data"])
 
@@ -383,13 +395,16 @@ class AuthorityLink:
 
 
 def create_worker_app(
-    config: GatewayConfig, link: AuthorityLink, *, predictor: LengthPredictor | None = None
+    config: GatewayConfig, link: AuthorityLink, *, embedder: Embedder | None = None
 ) -> web.Application:
-    """The gateway app on the authority's pool and queue (`gateway.serving.app.create_app`, with
-    `/metrics` and the admin views answered by the authority)."""
+    """The gateway app on the authority's pool, queue and predictor
+    (`gateway.serving.app.create_app`, with `/metrics` and the admin views answered by the
+    authority). `embedder`: a loaded one for the prompts (tests; else loaded as the host's
+    predictor config says)."""
     from gateway.serving.app import REMOTE, STATE, create_app
 
-    app = create_app(config, predictor=predictor)
+    link.embedder = embedder
+    app = create_app(config)
     app[REMOTE] = link
     app.middlewares.append(worker_routes(link))
 

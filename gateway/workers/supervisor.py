@@ -15,8 +15,9 @@ caps, and the dispatcher with one queue per model), and it supervises N workers:
 - a worker that dies is restarted (at most once a second per slot); the authority sees its
   connection close and finishes all its jobs, so their backend slots come back;
 - SIGTERM or SIGINT to the parent: every worker stops accepting and drains its in-flight
-  streams (up to `shutdown_grace_s`, then ends the rest cleanly: `gateway.serving.drain`), saves its
-  predictor snapshot and exits; then the authority stops; exit status 0;
+  streams (up to `shutdown_grace_s`, then ends the rest cleanly: `gateway.serving.drain`) and
+  exits; then the authority stops, learning the workers' last completions and saving the one
+  predictor snapshot; exit status 0;
 - SIGHUP to the parent is forwarded to every worker, and each reloads its keys from the
   config's source (`gateway.serving.drain.reload_keys`); the parent itself checks no key.
 
@@ -231,23 +232,16 @@ def worker_main(
 
 
 def worker_config(config: GatewayConfig, index: int) -> GatewayConfig:
-    """Worker `index`'s config: the files a worker writes are its own. Its traffic capture
-    goes to `<capture.dir>/worker-<index>`; worker 0 keeps the predictor snapshot, worker i > 0
-    saves to `<snapshot_path>.worker-<i>` (the first time starting from worker 0's), so no
-    two processes write one file. A configured shared-learning replica id gets the suffix
-    `-worker-<index>`, so the workers of one host learn each other's completions too."""
-    predictor, capture = config.predictor, config.capture
-    path = predictor.snapshot_path
-    if path and index > 0:
-        own = f"{path}.worker-{index}"
-        if not os.path.exists(own) and os.path.exists(path):
-            shutil.copyfile(path, own)
-        predictor = dataclasses.replace(predictor, snapshot_path=own)
+    """Worker `index`'s config. The host has one predictor, the authority's: it loads the
+    snapshot or warm start, learns every worker's completions, saves the snapshot and shares
+    with other replicas, so a worker has none of those files or connections (it embeds its
+    requests' prompts and asks the authority, `gateway.workers.host_predictor`). The files a
+    worker writes are its own: its traffic capture goes to `<capture.dir>/worker-<index>`."""
+    predictor = dataclasses.replace(config.predictor, snapshot_path=None, warm_start_jsonl=None)
+    capture = config.capture
     if capture.dir is not None:
         capture = dataclasses.replace(capture, dir=os.path.join(capture.dir, f"worker-{index}"))
-    shared = config.shared_learning
-    if shared.replica_id:  # a replica skips its own records: the workers must differ
-        shared = dataclasses.replace(shared, replica_id=f"{shared.replica_id}-worker-{index}")
+    shared = dataclasses.replace(config.shared_learning, redis_url=None)
     return dataclasses.replace(config, predictor=predictor, capture=capture,
                                shared_learning=shared)  # fmt: skip
 

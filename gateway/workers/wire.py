@@ -13,7 +13,10 @@ worker → authority                          authority → worker
   finish  {rid, generated}                    preempt    {rid}
   resized {rid, prompt_tokens}                error      {rid, error}  (timeout, shed, retries)
   refused {rid}  (preempt came too late)      scrape     {sid}  → exposition {sid, text}
-  call    {sid, what}  (metrics, admin views)  reply      {sid, data}
+  call    {sid, what, ...}                     reply      {sid, data} or {sid, error}
+    what: metrics, queue, backends (admin views); predictor (its config), predict {vector,
+    prompt_tokens, max_tokens, model}, global {prompt_tokens, model}
+  learn   {model, vector, prompt_tokens, output_tokens}  (a completion, for the host's predictor)
 
 `rid` is the worker's own job id; the authority keys its jobs by (connection, rid). A
 `GatewayError` crosses as its class name and fields and is raised again as the same class.
@@ -21,8 +24,11 @@ worker → authority                          authority → worker
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
+
+import numpy as np
 
 from gateway import errors
 from gateway.errors import GatewayError
@@ -65,8 +71,7 @@ def job_fields(job: Job) -> Message:
         "prompt_tokens": job.prompt_tokens,
         "tenant": job.tenant,
         "klass": ticket.klass.name,
-        "support": None if dist is None else dist.support.tolist(),
-        "probs": None if dist is None else dist.probs.tolist(),
+        **({"support": None, "probs": None} if dist is None else dist_field(dist)),
         "rank_score": job.rank_score,
         "prefix": job.prefix,
         "block_tokens": job.block_tokens,
@@ -77,6 +82,19 @@ def job_fields(job: Job) -> Message:
 def dist_of(fields: Message) -> LengthDist | None:
     support = fields.get("support")
     return None if support is None else LengthDist(support, fields["probs"])
+
+
+def vector_field(vec: Any) -> str:
+    """A prompt embedding as text: its float32 bytes in base64 (exact, 2 kB for 384-d)."""
+    return base64.b64encode(np.asarray(vec, dtype=np.float32).reshape(-1).tobytes()).decode()
+
+
+def vector_of(field: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+    return np.frombuffer(base64.b64decode(field), dtype=np.float32)
+
+
+def dist_field(dist: LengthDist) -> Message:
+    return {"support": dist.support.tolist(), "probs": dist.probs.tolist()}
 
 
 def error_fields(exc: GatewayError) -> Message:

@@ -188,14 +188,13 @@ async def test_workers_cut_slow_heads_and_count_them_in_the_merged_metrics(
     path = str(tmp_path / "authority.sock")
     authority = Authority(cfg)
     await authority.start(path)
-    predictor = LengthPredictor(embedder=embedder)
     links: list[AuthorityLink] = []
     workers: list[Gateway] = []
     try:
         for i in range(2):
             link = await AuthorityLink.connect(path, i, cfg)
             links.append(link)
-            app = create_worker_app(cfg, link, predictor=predictor)
+            app = create_worker_app(cfg, link, embedder=embedder)
             runner = GuardedRunner(app, cfg, handler_cancellation=True, access_log=None)
             await runner.setup()
             await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()

@@ -116,6 +116,40 @@ async def test_messages_are_per_request_not_per_token(
     assert counts[300] <= 2 + PredictorConfig().bucket_count < 300 / 10
 
 
+async def test_the_host_predictor_predicts_and_learns_for_every_worker(
+    start_emulator: StartEmulator, start_workers: StartWorkers, embedder: Embedder
+) -> None:
+    """One predictor per host: requests through both workers are learnt into the authority's
+    predictor (the workers keep no history), and a worker's waiting request is queued with
+    the distribution the host's predictor gives its prompt."""
+    backend = await start_emulator(time_scale=0.05)
+    host = LengthPredictor(embedder=embedder)
+    host.observe_many([LONG, SHORT], [1500, 3])
+    workers = await start_workers([{"url": backend, "max_inflight": 1}], policy="sagesched",
+                                  preemption=False, predictor=host)  # fmt: skip
+    authority = workers.authority
+    assert authority.prediction is not None and authority.prediction.local is host
+    async with aiohttp.ClientSession() as s:
+        answers = await asyncio.gather(*(stream(s, workers.urls[i % 2], chat(f"Q{i}?", 4 + i))
+                                         for i in range(6)))  # fmt: skip
+        assert all(a.endswith(b"data: [DONE]\n\n") for _, a in answers)
+        await until(lambda: host.own_state(MODEL).index.added == 6)
+        learned = sorted(int(v) for v in host.own_state(MODEL).index.recent(10)[0])
+        assert learned == [4, 5, 6, 7, 8, 9]
+        running = asyncio.create_task(stream(s, workers.urls[0], chat("Hold.", 2000)))
+        await until(lambda: authority.pool.backends[0].inflight == 1)
+        waiting = [asyncio.create_task(stream(s, workers.urls[i], chat(text, 2000)))
+                   for i, text in enumerate((LONG, SHORT))]  # fmt: skip
+        await until(lambda: authority.dispatcher.waiting() == 2)
+        # the host's history (LONG 1,500 tokens, SHORT 3) tells them apart; a worker's own
+        # empty predictor would give both the same prior
+        medians = sorted(j["predicted_median"] for j in authority.dispatcher.snapshot())
+        assert medians[0] < 50 < medians[1], medians
+        running.cancel()
+        for task in waiting:
+            task.cancel()
+
+
 async def test_metrics_are_the_sum_over_workers(
     start_emulator: StartEmulator, start_workers: StartWorkers
 ) -> None:

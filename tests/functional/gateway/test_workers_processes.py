@@ -1,11 +1,13 @@
 """`sagesched serve --workers 2` as real processes next to `sagesched emulate`: one queue for
 both workers (a burst starts in the `--workers 1` order), connections spread over the
-workers, metrics summed, SIGTERM drains in-flight streams and exits 0, a killed worker is
+workers, metrics summed, one predictor for the host (the same traffic leaves the snapshot
+`--workers 1` leaves), SIGTERM drains in-flight streams and exits 0, a killed worker is
 restarted and its request's backend slot comes back."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import subprocess
@@ -26,12 +28,14 @@ ADMIN = {"Authorization": "Bearer adm"}
 
 
 def start_gateway(children: Children, tmp_path: Path, backend: str, workers: int,
-                  policy: str = "fcfs") -> tuple[str, subprocess.Popen[bytes]]:  # fmt: skip
+                  policy: str = "fcfs", extra: str = "",
+                  ) -> tuple[str, subprocess.Popen[bytes]]:  # fmt: skip
     port = free_port()
     config = tmp_path / f"gw-{port}.yaml"
     config.write_text(f"policy: {policy}\npreemption: false\nadmin_key: adm\n"
                       f"backends: [{{url: '{backend}', max_inflight: 1}}]\n"
-                      "adaptive_cap: {enabled: false}\nhealth_interval_s: 0.5\n")  # fmt: skip
+                      "adaptive_cap: {enabled: false}\nhealth_interval_s: 0.5\n"
+                      + extra)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     cmd = sagesched("serve", "--config", str(config), "--port", str(port),
                     "--workers", str(workers))  # fmt: skip
@@ -116,6 +120,55 @@ async def test_two_workers_share_one_queue_spread_connections_and_sum_metrics(
         assert total(samples, "sagesched_requests_total", outcome="completed") == sent - 1
         assert total(samples, "sagesched_requests_total", outcome="cancelled_running") == 1
         assert total(samples, "sagesched_backend_inflight_cap") == 1
+
+
+FAMILIES = (("Answer yes or no: is {} a colour?", 3), ("Name three facts about {}.", 18),
+            ("Write a long story about {} and a lighthouse keeper.", 60))  # fmt: skip
+"""Prompt families and their output lengths (the emulator, with `ignore_eos`, gives each
+exactly its `max_tokens`)."""
+SUBJECTS = ("copper", "a river", "the moon", "green", "a violin", "winter", "an owl", "glass")
+
+
+async def test_the_workers_learn_into_one_predictor_as_one_process_does(
+    children: Children, tmp_path: Path, backend: str
+) -> None:
+    """One predictor per host: the same traffic through `--workers 2` and `--workers 1`
+    leaves snapshots with histories of the same size (each worker learning only what it
+    relayed would leave two halves), whose predictions of new prompts agree (the predicted
+    means' cosine >= 0.99, their Kendall tau against the true lengths within 0.01)."""
+    from scipy.stats import kendalltau
+
+    from predictor import LengthPredictor
+    from predictor.config import PredictorConfig
+
+    traffic = [(f.format(x), n) for x in SUBJECTS for f, n in FAMILIES]
+    snapshots = {}
+    for workers in (1, 2):
+        snapshots[workers] = snapshot = tmp_path / f"predictor-{workers}.snapshot"
+        url, proc = start_gateway(children, tmp_path, backend, workers, "sagesched",
+                                  f"predictor: {{snapshot_path: '{snapshot}'}}\n")  # fmt: skip
+        async with fresh() as s:
+            for text, n in traffic:  # one at a time: both learn in the same order
+                await stream(s, url, chat(text, n))
+        if workers == 2:
+            admitted = [w["admitted"] for w in (await admin(url, "queue"))["workers"]]
+            assert min(admitted) > 0, admitted  # both workers relayed some of it
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 90) == 0
+    # predictions from the served model's own history (the default state stays empty here)
+    one, two = (LengthPredictor.load(snapshots[w], PredictorConfig(model_min_items=1))
+                for w in (1, 2))  # fmt: skip
+    sizes = [len(p.own_state("tiny-llama").index) for p in (one, two)]
+    assert sizes == [len(traffic)] * 2, sizes
+    probes = [(f.format(x), n) for x in ("a lantern", "salt", "a hawk") for f, n in FAMILIES]
+    means = [[p.predict(text, model="tiny-llama").mean() for text, _ in probes]
+             for p in (one, two)]  # fmt: skip
+    cosine = sum(a * b for a, b in zip(*means, strict=True)) / math.prod(
+        math.sqrt(sum(v * v for v in row)) for row in means)  # fmt: skip
+    assert cosine >= 0.99, means
+    truth = [n for _, n in probes]
+    taus = [kendalltau(m, truth).statistic for m in means]
+    assert abs(taus[0] - taus[1]) <= 0.01 and taus[0] > 0.5, taus
 
 
 async def test_sigterm_drains_in_flight_streams_and_exits_0(

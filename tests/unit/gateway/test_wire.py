@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gateway.cli import build_parser, overrides
@@ -72,19 +73,32 @@ def test_a_job_crosses_with_its_prediction() -> None:
     assert back.probs.tolist() == pytest.approx(dist.probs.tolist(), abs=1e-15)
 
 
-def test_each_worker_writes_its_own_files(tmp_path: Path) -> None:
-    snapshot = tmp_path / "history.bin"
-    snapshot.write_bytes(b"worker 0's history")
+def test_an_embedding_crosses_exactly() -> None:
+    """A worker's prompt embedding reaches the host's predictor bit for bit (float32), as one
+    line of a few kB."""
+    vec = np.random.default_rng(0).standard_normal(384).astype(np.float32)
+    line = wire.pack({"op": "learn", "vector": wire.vector_field(vec)})
+    back = wire.vector_of(wire.unpack(line)["vector"])
+    assert back.dtype == np.float32 and np.array_equal(back, vec)
+    assert len(line) < 2_200
+
+
+def test_a_worker_writes_only_its_capture_the_host_keeps_the_predictor(tmp_path: Path) -> None:
+    """The host's one predictor is the authority's: a worker has no snapshot, warm start or
+    shared-learning connection of its own, and its capture goes to its own folder."""
+    snapshot, warm = tmp_path / "history.bin", tmp_path / "warm.jsonl"
     config = load(None, {**BACKEND, "workers": 3, "capture": {"dir": str(tmp_path / "cap")},
-                         "predictor": {"snapshot_path": str(snapshot)}}, {})  # fmt: skip
+                         "predictor": {"snapshot_path": str(snapshot),
+                                       "warm_start_jsonl": str(warm)},
+                         "shared_learning": {"redis_url": "redis://r:6379",
+                                             "replica_id": "gw-a"}}, {})  # fmt: skip
     zero, two = worker_config(config, 0), worker_config(config, 2)
-    assert zero.predictor.snapshot_path == str(snapshot)
-    assert two.predictor.snapshot_path == f"{snapshot}.worker-2"
-    assert Path(f"{snapshot}.worker-2").read_bytes() == b"worker 0's history"  # its start
+    for worker in (zero, two):
+        assert worker.predictor.snapshot_path is None
+        assert worker.predictor.warm_start_jsonl is None
+        assert worker.shared_learning.redis_url is None
+    assert config.predictor.snapshot_path == str(snapshot)  # the authority's, unchanged
+    assert not list(tmp_path.glob("history.bin*"))  # nothing copied for the workers
     assert (zero.capture.dir, two.capture.dir) == (str(tmp_path / "cap" / "worker-0"),
                                                    str(tmp_path / "cap" / "worker-2"))  # fmt: skip
     assert worker_config(load(None, BACKEND, {}), 1).capture.dir is None
-    shared = load(None, {**BACKEND, "shared_learning": {"redis_url": "redis://r:6379",
-                                                        "replica_id": "gw-a"}}, {})  # fmt: skip
-    assert worker_config(shared, 1).shared_learning.replica_id == "gw-a-worker-1"
-    assert worker_config(load(None, BACKEND, {}), 1).shared_learning.replica_id == ""
