@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -177,7 +178,7 @@ def test_an_exploration_that_cannot_pay_rests_at_one_level() -> None:
             e = LinearEngine(0.0053, 0.002, noise=0.2, seed=seed)
             ctl = CapController(law, 8)
             caps = e.drive(ctl, 60.0)[-30:]
-            total += sum(a != b for a, b in zip(caps, caps[1:], strict=False))
+            total += sum(a != b for a, b in itertools.pairwise(caps))
             rested += ctl.trace(EngineSample(), 0)["rest"] is not None
         return total, rested
 
