@@ -7,7 +7,10 @@ tokens slows down however well the queue is ordered. `EngineShares` bounds that,
 
 - **Share.** A band with an engine share s may hold at most max(1, floor(s · cap)) of a
   backend's slots while a more urgent band is *active*: it has requests waiting, or one of its
-  requests arrived within the last `window_s` seconds.
+  requests arrived within the last `window_s` seconds. Where the backend reports its KV size,
+  the band may also hold at most s of it: a job starts only if the band's running context
+  (prompt and generated tokens) plus the job's prompt stays within s · KV (its first job always
+  may), so a few long batch prompts cannot fill the KV the urgent band needs.
 - **TPOT objective.** A band with a time-per-output-token objective bounds the whole batch of
   a backend while it is active: a less urgent band starts a job there only while the running
   batch is below B* = max{B ≤ cap : t(B) ≤ objective}, where t(B) is the engine's predicted
@@ -54,6 +57,13 @@ class EngineView:
     iteration_s: Callable[[int], float] | None = None
     """Predicted seconds of one engine iteration at a running batch of B (each running request
     gets one output token per iteration: the TPOT at that batch); None while unknown."""
+    kv_tokens: float | None = None
+    """Its KV cache's size in tokens; None while unknown."""
+
+
+def context_tokens(jobs: Sequence[Job], band: int) -> int:
+    """The KV the running `jobs` of `band` hold: their prompt and generated tokens."""
+    return sum(j.prompt_tokens + j.generated for j in jobs if j.priority == band)
 
 
 def share_slots(share: float, cap: int) -> int:
@@ -115,15 +125,20 @@ class EngineShares:
         return waiting(band) > 0 or (last is not None and now - last <= self.window_s)
 
     def start(
-        self, band: int, engine: EngineView, now: float, waiting: Callable[[int], int]
+        self,
+        band: int,
+        engine: EngineView,
+        now: float,
+        waiting: Callable[[int], int],
+        prompt_tokens: int = 0,
     ) -> Start:
-        """May a job of `band` start on `engine` now? `waiting(b)`: jobs of band b waiting."""
+        """May a job of `band` with `prompt_tokens` start on `engine` now? `waiting(b)`: jobs
+        of band b waiting."""
         if not self.enabled:
             return Start.FREE
         urgent = self._urgent(band, now, waiting)
         share = self.shares.get(band)
-        mine = 0 if share is None else sum(1 for j in engine.running if j.priority == band)
-        beyond = share is not None and mine >= share_slots(share, engine.cap)
+        beyond = share is not None and self._beyond(share, band, engine, prompt_tokens)
         if not urgent:
             return Start.LENT if beyond else Start.FREE
         if beyond:
@@ -131,6 +146,16 @@ class EngineShares:
         if self.batch_bound(urgent, engine) <= len(engine.running):
             return Start.HELD
         return Start.FREE
+
+    @staticmethod
+    def _beyond(share: float, band: int, engine: EngineView, prompt_tokens: int) -> bool:
+        """Would one more job of `band` take it beyond its share of the slots or the KV?"""
+        mine = sum(1 for j in engine.running if j.priority == band)
+        if mine >= share_slots(share, engine.cap):
+            return True
+        if engine.kv_tokens is None or mine == 0:
+            return False
+        return context_tokens(engine.running, band) + prompt_tokens > share * engine.kv_tokens
 
     def batch_bound(self, urgent: Sequence[int], engine: EngineView) -> int:
         """The largest batch the TPOT objectives of the `urgent` bands allow on `engine` (its

@@ -430,10 +430,11 @@ class Dispatcher:
         return verdict is not Start.HELD
 
     def _engine_view(self, b: Backend) -> EngineView:
-        """`b` as the start rule sees it: its running jobs, its cap and, once its self-tuning
-        cap trusts a fitted curve, its iteration time by batch."""
+        """`b` as the start rule sees it: its running jobs, its cap, once its self-tuning cap
+        trusts a fitted curve its iteration time by batch, and its KV size once scraped."""
         curve = None if b.controller is None else b.controller.iteration_curve()
-        return EngineView(list(self._running_on.get(b.name, {}).values()), b.cap, curve)
+        kv = None if b.sample is None else b.sample.kv_capacity_tokens
+        return EngineView(list(self._running_on.get(b.name, {}).values()), b.cap, curve, kv)
 
     def engine_shares(self) -> dict[tuple[str, str], int]:
         """(class, backend) → the slots the class's band may hold there now: its engine share

@@ -318,6 +318,7 @@ class _Run:
             running,
             cap or self.c.engine.max_seqs,
             lambda b: profile.iteration_s(b, b * context, round(b * prefill)),
+            float(self.c.engine.kv_tokens),
         )
 
     def _dispatch(self, t: float, held: AbstractSet[int] = frozenset()) -> None:

@@ -147,7 +147,7 @@ class Bands(Policy):
 
     def start_rule(self, job: Job, engine: EngineView, now: float) -> Start:
         """The engine shares and TPOT objectives of the bands (`policies.shares`)."""
-        return self._shares.start(job.priority, engine, now, self._waiting)
+        return self._shares.start(job.priority, engine, now, self._waiting, job.prompt_tokens)
 
     def engine_limits(self, engine: EngineView, now: float) -> dict[int, int]:
         """Band → the slots it may hold on `engine` now (`EngineShares.limits`)."""

@@ -1,7 +1,8 @@
 """Engine shares and TPOT objectives of request classes on a real gateway in front of the
 emulated backend (`policies.shares` through the dispatcher): a batch class at its share waits
 beside free slots while an interactive request is active, is lent them once interactive is
-idle, a TPOT objective bounds the batch from the backend's fitted curve, and the metrics show
+idle, a share bounds the band's KV where the backend reports its size, a TPOT objective bounds
+the batch from the backend's fitted curve, and the metrics show
 the share in force, the jobs held and lent, and each class's time per output token."""
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ async def gateway(start_emulator: StartEmulator, start_gateway: StartGateway,
                                classes=classes(**interactive))  # fmt: skip
 
 
-async def stream(s: aiohttp.ClientSession, gw: RunningGateway, klass: str, n: int) -> int:
-    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": n, "ignore_eos": True,
+async def stream(s: aiohttp.ClientSession, gw: RunningGateway, klass: str, n: int,
+                 prompt: str = "hi") -> int:  # fmt: skip
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": n, "ignore_eos": True,
             "stream": True}  # fmt: skip
     headers = {"X-SageSched-Class": klass}
     async with s.post(gw.url + "/v1/completions", json=body, headers=headers) as r:
@@ -90,6 +92,34 @@ async def test_a_batch_share_waits_beside_free_slots_then_is_lent_them(
     # interactive was cancelled: no completed answer, so no time per token and no verdict
     assert total(samples, tpot, **{"class": "interactive"}) == 0
     assert total(samples, "sagesched_class_slo_total", slo="tpot") == 0
+
+
+async def test_a_batch_share_bounds_its_kv_where_the_backend_reports_it(
+    start_emulator: StartEmulator, start_gateway: StartGateway
+) -> None:
+    """Batch's share 0.5 of a cap of 4 is 2 slots, but of the backend's 1,000 tokens of KV
+    only 500: while interactive is active a first long-prompt batch request starts, a second
+    waits beside a free slot, and it is lent the slot once interactive is idle."""
+    backend = await start_emulator(time_scale=1.0)
+    spec = classes()
+    spec["list"][1]["engine_share"] = 0.5
+    gw = await start_gateway([{"url": backend, "max_inflight": 4}], policy="fcfs",
+                             classes=spec)  # fmt: skip
+    gw.state.pool.backends[0].sample = EngineSample(kv_capacity_tokens=1_000.0)  # as scraped
+    dispatcher = gw.state.dispatcher
+    long_prompt = "Tell me everything about the sea. " * 70  # ~600 tokens
+    async with aiohttp.ClientSession() as s:
+        interactive = asyncio.ensure_future(stream(s, gw, "interactive", 1500))
+        await until(lambda: running(gw) == 1)
+        batch = [asyncio.ensure_future(stream(s, gw, "batch", 200, long_prompt))
+                 for _ in range(2)]  # fmt: skip
+        await until(lambda: dispatcher.waiting() == 1 and running(gw) == 2)
+        samples = await scrape(gw.url + "/metrics")
+        assert total(samples, "sagesched_engine_share_held_total", **{"class": "batch"}) == 1
+        await until(lambda: dispatcher.waiting() == 0, timeout_s=3 * WINDOW_S)
+        assert running(gw) == 3  # lent once interactive is idle
+        interactive.cancel()
+        assert await asyncio.gather(*batch) == [200, 200]
 
 
 def trained(alpha: float, beta: float, cap: int) -> CapController:

@@ -30,6 +30,29 @@ def test_share_slots_round_down_but_never_to_zero() -> None:
     assert [share_slots(s, 8) for s in (0.01, 0.25, 0.3, 0.5, 1.0)] == [1, 2, 2, 4, 8]
 
 
+def test_a_share_bounds_the_kv_a_band_holds_where_the_backend_reports_it() -> None:
+    """Batch's share 0.5 of a backend with 10,000 tokens of KV: while interactive is active,
+    a second batch job starts only if the band's context (one 4,000-token job holding 4,100
+    after 100 generated tokens) plus its prompt stays within 5,000; the first always may;
+    idle interactive lends it; an unknown KV size bounds only the slots."""
+    rule = EngineShares({BATCH: 0.5}, {}, window_s=10.0)
+    rule.arrived(INTERACTIVE, 0.0)
+    long = Job(id=1, arrival_s=0.0, prompt_tokens=4_000, max_tokens=500, priority=BATCH)
+    long.generated = 100
+    engine = EngineView([long], 16, None, 10_000.0)
+    none = EngineView([], 16, None, 10_000.0)
+
+    def waiting(band: int) -> int:
+        return 0
+
+    assert rule.start(BATCH, engine, 1.0, waiting, prompt_tokens=900) is Start.FREE
+    assert rule.start(BATCH, engine, 1.0, waiting, prompt_tokens=901) is Start.HELD
+    assert rule.start(BATCH, none, 1.0, waiting, prompt_tokens=20_000) is Start.FREE
+    assert rule.start(BATCH, engine, 20.0, waiting, prompt_tokens=5_000) is Start.LENT
+    unknown = EngineView([long], 16, None, None)
+    assert rule.start(BATCH, unknown, 1.0, waiting, prompt_tokens=5_000) is Start.FREE
+
+
 def test_tpot_batch_is_the_largest_batch_within_the_objective() -> None:
     def curve(n: int) -> float:
         return 0.010 + 0.001 * n  # 10 ms + 1 ms per request
