@@ -418,22 +418,8 @@ class Authority:
     async def _data(self, msg: wire.Message) -> Any:
         """The answer to a worker's call (`wire` lists them)."""
         what = msg["what"]
-        prediction = self.prediction
-        local = None if prediction is None else prediction.local
-        if what in ("predictor", "predict", "global") and (prediction is None or local is None):
-            raise GatewayError("the gateway's predictor is off")
-        if what == "predictor":
-            assert local is not None
-            return local.config.to_dict()
-        if what == "predict":
-            assert prediction is not None
-            dist, rank = await prediction.predict_embedded(
-                wire.vector_of(msg["vector"]), msg["prompt_tokens"], msg["max_tokens"],
-                msg["model"])  # fmt: skip
-            return {**wire.dist_field(dist), "rank_score": rank}
-        if what == "global":
-            assert local is not None
-            return wire.dist_field(local.global_dist(msg["prompt_tokens"], model=msg["model"]))
+        if what in ("predictor", "predict", "global"):
+            return await self._predictor_data(msg)
         if what == "metrics":
             return (await self.exposition()).decode()
         if what == "queue":
@@ -442,6 +428,23 @@ class Authority:
                     "running": d.running_snapshot(),
                     "workers": [c.describe() for c in self.workers]}  # fmt: skip
         return self._pool_rows()
+
+    async def _predictor_data(self, msg: wire.Message) -> Any:
+        """A worker's call to the host's predictor: its config, a prediction, the global
+        distribution."""
+        prediction = self.prediction
+        local = None if prediction is None else prediction.local
+        if prediction is None or local is None:
+            raise GatewayError("the gateway's predictor is off")
+        what = msg["what"]
+        if what == "predictor":
+            return local.config.to_dict()
+        if what == "predict":
+            dist, rank = await prediction.predict_embedded(
+                wire.vector_of(msg["vector"]), msg["prompt_tokens"], msg["max_tokens"],
+                msg["model"])  # fmt: skip
+            return {**wire.dist_field(dist), "rank_score": rank}
+        return wire.dist_field(local.global_dist(msg["prompt_tokens"], model=msg["model"]))
 
     async def exposition(self) -> bytes:
         """This process's series merged with every worker's (those answering in time)."""

@@ -64,14 +64,13 @@ class HostPredictor:
         data = await self._link.call("predict", vector=wire.vector_field(vec),
                                      prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                      model=model)  # fmt: skip
-        return vec, LengthDist(data["support"], data["probs"]), float(data["rank_score"])
+        return vec, _dist(data), float(data["rank_score"])
 
     async def global_dist_async(
         self, prompt_tokens: float | None = None, *, model: str | None = None
     ) -> LengthDist:
         """The host's recent global distribution at the prompt's size."""
-        data = await self._link.call("global", prompt_tokens=prompt_tokens, model=model)
-        return LengthDist(data["support"], data["probs"])
+        return _dist(await self._link.call("global", prompt_tokens=prompt_tokens, model=model))
 
     async def observe_async(
         self,
@@ -101,3 +100,9 @@ class HostPredictor:
         return await self._async.embed(
             clip_text(prompt, cfg.embed_max_chars, cfg.embed_head_fraction)
         )
+
+
+def _dist(data: wire.Message) -> LengthDist:
+    dist = wire.dist_of(data)
+    assert dist is not None, "the host's predictor answered without a distribution"
+    return dist
