@@ -27,12 +27,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from predictor.encoders import Embeddings, make_encoder
-from predictor.offline import load_tokenizer, model_path
+from predictor.encoders import Embeddings, Encoder, declared_dim, make_encoder
+from predictor.offline import ModelNotFoundError, load_tokenizer, model_path
 
 if TYPE_CHECKING:
     from predictor.config import PredictorConfig
@@ -114,7 +115,9 @@ class Embedder:
 
     Thread-safe: model calls are serialised by a lock. Loads the model in the constructor (ONNX:
     under a second once exported, the export itself ~10 s once per model and machine; torch:
-    about 0.4 s plus ~5 s for the first import of torch and sentence-transformers).
+    about 0.4 s plus ~5 s for the first import of torch and sentence-transformers), or with
+    `lazy` at its first `encode`: a process that only learns and predicts from vectors embedded
+    elsewhere (a host's scheduling authority) then never holds the model (~130 MiB).
     """
 
     def __init__(
@@ -127,27 +130,32 @@ class Embedder:
         backend: str = DEFAULT_BACKEND,
         cache_items: int = DEFAULT_CACHE_ITEMS,
         onnx_cache_dir: str | None = None,
+        lazy: bool = False,
     ) -> None:
         """`torch_threads` > 0 sets the backend's intra-op threads on the CPU (torch's are
         process-wide); `encode_batch_items` is the default forward-pass size of `encode`;
-        `onnx_cache_dir` is where ONNX exports are kept (see `predictor.onnx_export`)."""
+        `onnx_cache_dir` is where ONNX exports are kept (see `predictor.onnx_export`); `lazy`:
+        load the model at the first `encode`, its dimension read from the folder meanwhile."""
         folder = model_path(path)
-        self._encoder = make_encoder(
-            backend, folder, device=device, threads=torch_threads, cache_dir=onnx_cache_dir
-        )
+        self._make = partial(
+            make_encoder, backend, folder, device=device, threads=torch_threads,
+            cache_dir=onnx_cache_dir,
+        )  # fmt: skip
+        self._encoder: Encoder | None = None
         self.backend = backend
-        self.device = self._encoder.device
-        self.dim = self._encoder.dim
         self.path = folder
+        self.dim = declared_dim(folder) if lazy else 0
+        self.dim = self.dim or self._load().dim
         self.encode_batch_items = encode_batch_items
         self.cache = EmbeddingCache(cache_items)
         self._lock = threading.Lock()
         self._tokenizer: Any = None
 
     @classmethod
-    def from_config(cls, config: PredictorConfig) -> Embedder:
+    def from_config(cls, config: PredictorConfig, *, lazy: bool = False) -> Embedder:
         """The embedder a `PredictorConfig` describes (backend, threads, batch, cache)."""
         return cls(
+            lazy=lazy,
             device=config.device,
             torch_threads=config.torch_threads,
             encode_batch_items=config.encode_batch_items,
@@ -155,6 +163,28 @@ class Embedder:
             cache_items=config.embed_cache_items,
             onnx_cache_dir=config.onnx_cache_dir,
         )
+
+    @property
+    def loaded(self) -> bool:
+        """Is the model in memory (always, unless built `lazy` and not asked to embed yet)?"""
+        return self._encoder is not None
+
+    @property
+    def device(self) -> str:
+        """Where the model runs ("cpu", "cuda"); loads a lazy embedder's model."""
+        with self._lock:
+            return self._load().device
+
+    def _load(self) -> Encoder:
+        """The model, loaded on first use (under `_lock` after the constructor)."""
+        if self._encoder is None:
+            encoder = self._make()
+            if self.dim and encoder.dim != self.dim:
+                raise ModelNotFoundError(
+                    f"{self.path} declares {self.dim}-d embeddings, its model gives {encoder.dim}"
+                )
+            self._encoder = encoder
+        return self._encoder
 
     @property
     def tokenizer(self) -> Any:
@@ -187,7 +217,7 @@ class Embedder:
         if todo:
             rows = [r[0] for r in todo.values()]
             with self._lock:
-                vecs = self._encoder.encode(
+                vecs = self._load().encode(
                     [texts[r] for r in rows], batch_size or self.encode_batch_items
                 )
             for (key, same), vec in zip(todo.items(), vecs, strict=True):

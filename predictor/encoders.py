@@ -119,6 +119,27 @@ def max_seq_length(folder: Path) -> int:
     return int(min(length, config.get("max_position_embeddings", length)))
 
 
+def declared_dim(folder: Path) -> int:
+    """The sentence-embedding size the model folder declares, without loading the model: the
+    last Dense module's `out_features`, else its Pooling module's output (the word embedding
+    size once per pooling mode), else config.json's `hidden_size`. `Embedder` checks it
+    against the model when it loads."""
+    modules_file = folder / "modules.json"
+    modules = json.loads(modules_file.read_text()) if modules_file.is_file() else []
+    dim = int(json.loads((folder / "config.json").read_text())["hidden_size"])
+    for module in modules:
+        kind, config_file = module.get("type", ""), folder / module.get("path", "") / "config.json"
+        if not module.get("path") or not config_file.is_file():
+            continue
+        config = json.loads(config_file.read_text())
+        if kind.endswith("Pooling"):
+            modes = [k for k, on in config.items() if k.startswith("pooling_mode_") and on is True]
+            dim = int(config.get("word_embedding_dimension", dim)) * max(len(modes), 1)
+        elif kind.endswith("Dense"):
+            dim = int(config["out_features"])
+    return dim
+
+
 class OnnxEncoder:
     """The exported stack on onnxruntime's CPU provider; fp32 or int8."""
 

@@ -517,16 +517,18 @@ class LengthPredictor:
         config: PredictorConfig | None = None,
         *,
         embedder: Embedder | None = None,
+        lazy_embedder: bool = False,
     ) -> LengthPredictor:
         """Restore a snapshot (version 2, or a version-1 history snapshot, which becomes the
         default state). `config` defaults to the snapshot's own (fields it lacks keep their
-        defaults); ring capacities are the snapshot's. Raises `SnapshotError` on a mismatched
+        defaults); ring capacities are the snapshot's; without `embedder`, the config's is made
+        (loaded at its first use with `lazy_embedder`). Raises `SnapshotError` on a mismatched
         embedding dimension or an unknown format."""
         if config is None:
             saved = read_snapshot_header(path)["extra"]["config"]
             known = {f.name for f in fields(PredictorConfig)}
             config = PredictorConfig.from_dict({k: v for k, v in saved.items() if k in known})
-        embedder = embedder or Embedder.from_config(config)
+        embedder = embedder or Embedder.from_config(config, lazy=lazy_embedder)
         states = load_states(path, config, embedder.dim)
         return cls(config, embedder=embedder, states=states)
 

@@ -87,11 +87,16 @@ class Prediction:
         *,
         given: LengthPredictor | None = None,
         host: Callable[[], Awaitable[Predicts]] | None = None,
+        embeds: bool = True,
     ) -> None:
         """`counter`: the backends' tokenizers (None: characters / 4 only); `given`: a loaded
         predictor to use instead of loading one (tests, embedding); `host`: a worker's, makes
-        its view of the host's predictor (the worker then loads, learns and saves nothing)."""
+        its view of the host's predictor (the worker then loads, learns and saves nothing);
+        `embeds` false: this process's predictor learns and predicts vectors embedded
+        elsewhere (the host's authority), so it loads its embedding model only if it must
+        embed (a warm start)."""
         self._config = config
+        self._embeds = embeds
         self._dispatcher = dispatcher
         self._counter = counter
         self._given = given
@@ -130,7 +135,7 @@ class Prediction:
         if self._given is not None:
             local = self._given
         else:
-            local = await asyncio.to_thread(_load, self._config)
+            local = await asyncio.to_thread(_load, self._config, lazy_embedder=not self._embeds)
         self.predictor = self.local = local
         self.shared = await shared_learning.start(self._config, local)
         if settings.snapshot_path and settings.save_interval_s > 0:
@@ -312,8 +317,8 @@ async def _observe(predictor: Predicts, ticket: Ticket) -> None:
     )  # fmt: skip
 
 
-def _load(config: GatewayConfig) -> LengthPredictor:
-    from predictor import LengthPredictor
+def _load(config: GatewayConfig, *, lazy_embedder: bool) -> LengthPredictor:
+    from predictor import Embedder, LengthPredictor, PredictorConfig
     from predictor.history import clean_stale
 
     settings = config.predictor
@@ -322,8 +327,9 @@ def _load(config: GatewayConfig) -> LengthPredictor:
         log.warning("predictor: removed %d unfinished snapshot saves of %s", n, path)
     if path and os.path.exists(path):
         log.info("predictor: loading snapshot %s", path)
-        return LengthPredictor.load(path)
-    predictor = LengthPredictor()
+        return LengthPredictor.load(path, lazy_embedder=lazy_embedder)
+    fresh = PredictorConfig()
+    predictor = LengthPredictor(fresh, embedder=Embedder.from_config(fresh, lazy=lazy_embedder))
     if settings.warm_start_jsonl:
         n = predictor.warm_start(settings.warm_start_jsonl)
         log.info("predictor: warm start learned %d requests", n)

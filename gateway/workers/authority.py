@@ -157,7 +157,9 @@ class Authority:
         self.metrics.watch(self.pool, self.dispatcher)
         self.metrics.watch_engine_shares(self.dispatcher)
         # the host's one predictor: the workers embed, it predicts, learns and snapshots
-        self.prediction = prediction = Prediction(config, self.dispatcher, given=self._given)
+        self.prediction = prediction = Prediction(
+            config, self.dispatcher, given=self._given, embeds=False
+        )
         await prediction.start()
         if prediction.shared is not None:
             self.metrics.watch_shared_learning(prediction.shared.stats)

@@ -150,6 +150,26 @@ async def test_the_host_predictor_predicts_and_learns_for_every_worker(
             task.cancel()
 
 
+async def test_the_authority_never_loads_the_embedding_model_its_workers_run(
+    start_emulator: StartEmulator, start_workers: StartWorkers
+) -> None:
+    """The authority's predictor learns and predicts the vectors its workers embed, so the
+    predictor it loads as the config says holds no embedding model (~130 MiB per host)."""
+    backend = await start_emulator(time_scale=0.05)
+    workers = await start_workers([{"url": backend, "max_inflight": 1}], policy="sagesched",
+                                  preemption=False, load_predictor=True)  # fmt: skip
+    prediction = workers.authority.prediction
+    assert prediction is not None and prediction.local is not None
+    host = prediction.local
+    async with aiohttp.ClientSession() as s:
+        answers = await asyncio.gather(*(stream(s, workers.urls[i % 2], chat(f"Q{i}?", 4 + i))
+                                         for i in range(6)))  # fmt: skip
+        assert all(a.endswith(b"data: [DONE]\n\n") for _, a in answers)
+    await until(lambda: host.own_state(MODEL).index.added == 6)
+    assert sorted(int(v) for v in host.own_state(MODEL).index.recent(10)[0]) == list(range(4, 10))
+    assert not host.embedder.loaded and host.embedder.dim == 384
+
+
 async def test_metrics_are_the_sum_over_workers(
     start_emulator: StartEmulator, start_workers: StartWorkers
 ) -> None:

@@ -127,3 +127,29 @@ def test_threads_setting_applies(embedder: Embedder) -> None:
     import torch
 
     assert torch.get_num_threads() == 1
+
+
+def test_a_lazy_embedder_loads_its_model_at_the_first_embedding(
+    embedder: Embedder, tmp_path: Path
+) -> None:
+    """Built `lazy`, the embedder knows its dimension from the folder and holds no model until
+    it is asked to embed; then it embeds exactly as an eager one. A folder declaring another
+    size than its model gives is refused at the load, not served with wrong-sized rows."""
+    import shutil
+
+    lazy = Embedder(device="cpu", torch_threads=1, cache_items=0, lazy=True)
+    assert not lazy.loaded and lazy.dim == embedder.dim == 384
+    assert lazy.cached("never embedded") is None and not lazy.loaded
+    texts = ["How do I bake bread?", "Explain the causes of the First World War in detail."]
+    assert np.allclose(lazy.encode(texts), embedder.encode(texts), atol=1e-6)
+    assert lazy.loaded and embedder.loaded
+    wrong = tmp_path / "model"
+    shutil.copytree(model_path(), wrong)
+    pooling = wrong / "1_Pooling" / "config.json"
+    pooling.write_text(pooling.read_text().replace('"word_embedding_dimension": 384',
+                                                   '"word_embedding_dimension": 512'))  # fmt: skip
+    declared = Embedder(wrong, cache_items=0, lazy=True, onnx_cache_dir=str(tmp_path / "onnx"))
+    assert declared.dim == 512  # what the folder says; its weights give 384
+    with pytest.raises(ModelNotFoundError, match="declares 512-d"):
+        declared.encode(["a prompt"])
+    assert not declared.loaded
