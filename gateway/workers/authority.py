@@ -209,7 +209,7 @@ class Authority:
         try:
             while line := await reader.readline():
                 msg = wire.unpack(line)
-                conn.received[msg["op"]] += 1
+                conn.received[wire.kind(msg)] += 1
                 try:
                     await self._handle(conn, msg)
                 except Exception:  # a bug with one request must not drop the worker's others

@@ -9,12 +9,15 @@ forward pass), stays in the worker that holds the request, so the forward passes
 the workers' cores; only the vector crosses the socket: once to be predicted (`call predict`,
 answered with the distribution and the rank score) and once to be learnt (`learn`, no answer).
 The worker embeds with the authority's predictor config, so a vector means the same on both
-sides.
+sides. A job that starts at once starts on the host's recent global distribution, which moves
+slowly: the worker keeps the one it last got per model and prompt band for `GLOBAL_FRESH_S`,
+so an idle worker's request does not wait a round trip for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Protocol
 
 from gateway.workers import wire
@@ -22,7 +25,13 @@ from policies import LengthDist
 from predictor.config import PredictorConfig
 from predictor.embedder import AsyncEmbedder, Embedder
 from predictor.encoders import Embeddings
+from predictor.model import prompt_band
 from predictor.text import clip_text
+
+GLOBAL_FRESH_S = 1.0
+"""How long a worker starts jobs on the global distribution it last got from the host (per
+model and prompt band) before asking again. The host's own recomputes after 1% of its window
+of completions is replaced (`LengthPredictor.global_dist`)."""
 
 
 class Link(Protocol):
@@ -41,6 +50,8 @@ class HostPredictor:
         self.embedder = embedder
         self._link = link
         self._async: AsyncEmbedder | None = None
+        self._globals: dict[tuple[str | None, int | None], tuple[float, LengthDist]] = {}
+        """(model, prompt band) → (when it came, the host's global distribution)."""
 
     @classmethod
     async def build(cls, link: Link, embedder: Embedder | None = None) -> HostPredictor:
@@ -69,8 +80,15 @@ class HostPredictor:
     async def global_dist_async(
         self, prompt_tokens: float | None = None, *, model: str | None = None
     ) -> LengthDist:
-        """The host's recent global distribution at the prompt's size."""
-        return _dist(await self._link.call("global", prompt_tokens=prompt_tokens, model=model))
+        """The host's recent global distribution at the prompt's size (the one last got for
+        the same model and band, if it is fresh)."""
+        key = (model, None if prompt_tokens is None else prompt_band(prompt_tokens))
+        now = time.monotonic()
+        if (kept := self._globals.get(key)) is not None and now - kept[0] < GLOBAL_FRESH_S:
+            return kept[1]
+        dist = _dist(await self._link.call("global", prompt_tokens=prompt_tokens, model=model))
+        self._globals[key] = (now, dist)
+        return dist
 
     async def observe_async(
         self,

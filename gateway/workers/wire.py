@@ -55,6 +55,12 @@ def unpack(line: bytes) -> Message:
     return msg
 
 
+def kind(msg: Message) -> str:
+    """What a message is, as the authority counts it: its op, and for a call what it asks
+    ("call predict")."""
+    return f"call {msg.get('what')}" if msg["op"] == "call" else str(msg["op"])
+
+
 def job_fields(job: Job) -> Message:
     """What the authority needs to queue and route a worker's job (ids, times, sizes,
     prediction, the prompt's block chain and session)."""

@@ -16,6 +16,7 @@ from fixtures.gateway_fixtures import StartGateway
 from fixtures.scrape import scrape, total
 from fixtures.worker_fixtures import BURST, RunningWorkers, StartWorkers
 
+from gateway.workers import host_predictor
 from gateway.workers.authority import REQUEST_OPS
 from predictor import Embedder, LengthPredictor
 from predictor.config import PredictorConfig
@@ -168,6 +169,26 @@ async def test_the_authority_never_loads_the_embedding_model_its_workers_run(
     await until(lambda: host.own_state(MODEL).index.added == 6)
     assert sorted(int(v) for v in host.own_state(MODEL).index.recent(10)[0]) == list(range(4, 10))
     assert not host.embedder.loaded and host.embedder.dim == 384
+
+
+async def test_an_idle_worker_starts_jobs_on_the_global_distribution_it_keeps(
+    start_emulator: StartEmulator, start_workers: StartWorkers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs that start at once start on the host's recent global distribution; a worker asks
+    the authority for it once per model and prompt band while it is fresh, not once per
+    request (each request is still predicted and learnt by the host)."""
+    monkeypatch.setattr(host_predictor, "GLOBAL_FRESH_S", 600.0)  # however slow the machine
+    backend = await start_emulator(time_scale=0.01)
+    workers = await start_workers([{"url": backend, "max_inflight": 8}], policy="sagesched",
+                                  preemption=False)  # fmt: skip
+    conn = workers.authority.workers[0]
+    async with aiohttp.ClientSession() as s:
+        for i in range(6):  # one at a time through worker 0: each starts at once
+            _, answer = await stream(s, workers.urls[0], chat(f"Question {i}?", 3))
+            assert answer.endswith(b"data: [DONE]\n\n")
+    await until(lambda: conn.received["learn"] == 6)
+    assert conn.received["admit"] == 6 and conn.received["call predict"] == 6
+    assert conn.received["call global"] == 1, dict(conn.received)
 
 
 async def test_metrics_are_the_sum_over_workers(
