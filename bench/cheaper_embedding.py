@@ -24,8 +24,10 @@ build-dataset` writes them; MT-Bench is predicted from the ShareGPT history), th
 learns the train file and scores the test file with its shipped settings (no CV), once per
 embedder; printed: Kendall τ of SageSched's admission key and of the rank score against the
 true length, MAE of the median, the change of the admission key's τ against the shipped
-embedder, and the embedder's CPU time per prompt, one prompt per call as the gateway embeds a
-new prompt (`--prompts` distinct test prompts, cache off) and for a short one-line question.
+embedder with its 95% interval (a paired bootstrap over the test prompts, `--resamples`: the
+same resampled prompts score both embedders), and the embedder's CPU time per prompt, one
+prompt per call as the gateway embeds a new prompt (`--prompts` distinct test prompts, cache
+off) and for a short one-line question.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ sys.path.insert(0, str(ROOT))
 
 from predictor import Embedder, LengthPredictor, PredictorConfig  # noqa: E402
 from predictor.encoders import Embeddings, register  # noqa: E402
-from predictor.evaluate import SemanticPredictor, evaluate, fill_prompt_tokens  # noqa: E402
+from predictor.evaluate import (  # noqa: E402
+    SemanticPredictor,
+    fill_prompt_tokens,
+    scheduling_key,
+)
 from predictor.model import read_jsonl  # noqa: E402
 from predictor.offline import force_offline, model_path  # noqa: E402
 
@@ -86,6 +92,25 @@ def first_layers(k: int, out: Path) -> Path:
     return out
 
 
+def kendall(x: np.ndarray, y: np.ndarray) -> float:
+    from scipy.stats import kendalltau
+
+    return float(kendalltau(x, y).statistic)
+
+
+def delta_interval(
+    keys: np.ndarray, shipped: np.ndarray, truth: np.ndarray, resamples: int
+) -> tuple[float, float]:
+    """95% interval of τ(keys) − τ(shipped) over test prompts resampled with replacement."""
+    rng = np.random.default_rng(0)
+    deltas = []
+    for _ in range(resamples):
+        i = rng.integers(0, len(truth), len(truth))
+        deltas.append(kendall(keys[i], truth[i]) - kendall(shipped[i], truth[i]))
+    lo, hi = np.percentile(deltas, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 def cpu_ms_per_prompt(embedder: Embedder, prompts: list[str]) -> float:
     """Process CPU time of embedding each prompt alone (after a short warm-up)."""
     for p in prompts[:10]:
@@ -103,6 +128,7 @@ def main() -> None:
     ap.add_argument("--data", default=str(ROOT / ".cache/pred"))
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--prompts", type=int, default=200)
+    ap.add_argument("--resamples", type=int, default=1000)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cheaper-embedding-"))
     embedders = {SHIPPED: Embedder(backend="onnx-int8", torch_threads=1, cache_items=0)}
@@ -114,27 +140,36 @@ def main() -> None:
     if args.static:
         register(STATIC)(lambda folder, **_: StaticEncoder(args.static))
         embedders["static (model2vec)"] = Embedder(backend=STATIC, cache_items=0)
-    print("| set | embedder | τ admission key | Δτ key | τ rank score | MAE (tokens) "
-          "| CPU ms/prompt | CPU ms/short prompt |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| set | test prompts | embedder | τ admission key | Δτ key [95% interval] "
+          "| τ rank score | MAE (tokens) | CPU ms/prompt | CPU ms/short prompt |")  # fmt: skip
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|")
     for s in args.sets.split(","):
         train_set, test_set = SETS[s]
         train = list(read_jsonl(Path(args.data) / f"{train_set}-train.jsonl"))
         test = list(read_jsonl(Path(args.data) / f"{test_set}-test.jsonl"))
-        shipped_tau = 0.0
-        for label, embedder in embedders.items():
+        truth = np.array([float(r["output_tokens"]) for r in test])
+        shipped = np.zeros(0)
+        for n, (label, embedder) in enumerate(embedders.items()):
             model = LengthPredictor(PredictorConfig(), embedder=embedder)
             for records in (train, test):
                 fill_prompt_tokens(model, records)  # once: later embedders find them all
-            row = evaluate([SemanticPredictor(model)], train, test)["semantic"]
-            tau = row["kendall_tau"]
-            shipped_tau = tau if label == SHIPPED else shipped_tau
-            delta = "" if label == SHIPPED else f"{tau - shipped_tau:+.3f}"
+            semantic = SemanticPredictor(model, cache_dir=work / f"vectors-{n}")
+            semantic.fit(train)
+            dists = semantic.predict(test)
+            keys = np.array([scheduling_key(d) for d in dists])
+            rank_tau = kendall(np.asarray(semantic.rank_scores), truth)
+            mae = float(np.mean(np.abs(np.array([d.quantile(0.5) for d in dists]) - truth)))
+            if label == SHIPPED:
+                shipped, delta = keys, ""
+            else:
+                lo, hi = delta_interval(keys, shipped, truth, args.resamples)
+                d = kendall(keys, truth) - kendall(shipped, truth)
+                delta = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
             prompts = [model.text(r["prompt"]) for r in test[: args.prompts]]
             cpu, short = cpu_ms_per_prompt(embedder, prompts), cpu_ms_per_prompt(embedder, SHORT)
-            print(f"| {s} | {label} | {tau:.3f} | {delta} | "
-                  f"{row['kendall_tau_rank_score']:.3f} | {row['mae_median']:.1f} | "
-                  f"{cpu:.2f} | {short:.2f} |", flush=True)  # fmt: skip
+            tau = kendall(keys, truth)
+            print(f"| {s} | {len(test)} | {label} | {tau:.3f} | {delta} | {rank_tau:.3f} | "
+                  f"{mae:.1f} | {cpu:.2f} | {short:.2f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
