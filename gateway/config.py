@@ -269,6 +269,11 @@ class PredictorSettings:
     """Learn this JSONL of {prompt, output_tokens} at start (if no snapshot exists)."""
     save_interval_s: float = 300.0
     """Seconds between snapshots (0 = only at exit)."""
+    embed_backend: str | None = None
+    """The embedding model's backend (`predictor.encoders`): "onnx-int8" (the default, CPU),
+    "onnx" (fp32, CPU) or "torch" (the reference; on a GPU when torch sees one). None: the
+    snapshot's, else the default. All embed the same model (cosine ≥ 0.99 between them), so a
+    snapshot learnt with one serves another."""
 
 
 @dataclass(frozen=True)
@@ -507,6 +512,12 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError(f"shared_learning.redis_url must start with one of {schemes}")
     if shared.maxlen < 1 or shared.buffer < 1 or shared.encoding not in ("int8", "float32"):
         raise ConfigError("shared_learning needs maxlen, buffer >= 1 and encoding int8 or float32")
+    backend = config.predictor.embed_backend
+    if backend is not None:
+        from predictor.encoders import ENCODERS
+
+        if backend not in ENCODERS:
+            raise ConfigError(f"predictor.embed_backend must be one of {sorted(ENCODERS)}")
     if config.shutdown_grace_s < 0:
         raise ConfigError("shutdown_grace_s must be >= 0")
     _validate_cap(config.adaptive_cap)

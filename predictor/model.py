@@ -510,6 +510,13 @@ class LengthPredictor:
             states = dict(self._states)
         save_states(path, states, extra)
 
+    @staticmethod
+    def snapshot_config(path: str | os.PathLike[str]) -> PredictorConfig:
+        """The config a snapshot was saved with (fields it lacks keep their defaults)."""
+        saved = read_snapshot_header(path)["extra"]["config"]
+        known = {f.name for f in fields(PredictorConfig)}
+        return PredictorConfig.from_dict({k: v for k, v in saved.items() if k in known})
+
     @classmethod
     def load(
         cls,
@@ -524,10 +531,7 @@ class LengthPredictor:
         defaults); ring capacities are the snapshot's; without `embedder`, the config's is made
         (loaded at its first use with `lazy_embedder`). Raises `SnapshotError` on a mismatched
         embedding dimension or an unknown format."""
-        if config is None:
-            saved = read_snapshot_header(path)["extra"]["config"]
-            known = {f.name for f in fields(PredictorConfig)}
-            config = PredictorConfig.from_dict({k: v for k, v in saved.items() if k in known})
+        config = config or cls.snapshot_config(path)
         embedder = embedder or Embedder.from_config(config, lazy=lazy_embedder)
         states = load_states(path, config, embedder.dim)
         return cls(config, embedder=embedder, states=states)

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import GatewayConfig
@@ -322,13 +323,19 @@ def _load(config: GatewayConfig, *, lazy_embedder: bool) -> LengthPredictor:
     from predictor.history import clean_stale
 
     settings = config.predictor
+
+    def chosen(predictor_config: PredictorConfig) -> PredictorConfig:
+        backend = settings.embed_backend
+        return replace(predictor_config, embed_backend=backend) if backend else predictor_config
+
     path = settings.snapshot_path
     if path and (n := clean_stale(path)):
         log.warning("predictor: removed %d unfinished snapshot saves of %s", n, path)
     if path and os.path.exists(path):
         log.info("predictor: loading snapshot %s", path)
-        return LengthPredictor.load(path, lazy_embedder=lazy_embedder)
-    fresh = PredictorConfig()
+        saved = chosen(LengthPredictor.snapshot_config(path))
+        return LengthPredictor.load(path, saved, lazy_embedder=lazy_embedder)
+    fresh = chosen(PredictorConfig())
     predictor = LengthPredictor(fresh, embedder=Embedder.from_config(fresh, lazy=lazy_embedder))
     if settings.warm_start_jsonl:
         n = predictor.warm_start(settings.warm_start_jsonl)

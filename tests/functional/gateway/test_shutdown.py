@@ -108,14 +108,13 @@ async def ready_workers(url: str) -> list[int]:
 
 
 def learned(snapshot: Path) -> list[int]:
-    """The output lengths in a predictor snapshot and its workers' (`<path>.worker-i`)."""
+    """The output lengths in a predictor snapshot (with workers too, the host has one)."""
     out: list[int] = []
-    for path in [snapshot, *snapshot.parent.glob(snapshot.name + ".worker-*")]:
-        header = read_snapshot_header(path)
-        with np.load(path, allow_pickle=False) as z:
-            for i, m in enumerate(header["models"]):
-                n = min(int(m["history"]["added"]), int(m["history"]["capacity_items"]))
-                out += [int(v) for v in z[f"m{i}.output"][:n]]
+    header = read_snapshot_header(snapshot)
+    with np.load(snapshot, allow_pickle=False) as z:
+        for i, m in enumerate(header["models"]):
+            n = min(int(m["history"]["added"]), int(m["history"]["capacity_items"]))
+            out += [int(v) for v in z[f"m{i}.output"][:n]]
     return sorted(out)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,8 +17,10 @@ from fixtures.gateway_fixtures import StartGateway
 from fixtures.scrape import scrape, total
 from fixtures.worker_fixtures import BURST, RunningWorkers, StartWorkers
 
+from gateway.serving.app import STATE
 from gateway.workers import host_predictor
 from gateway.workers.authority import REQUEST_OPS
+from gateway.workers.host_predictor import HostPredictor
 from predictor import Embedder, LengthPredictor
 from predictor.config import PredictorConfig
 
@@ -169,6 +172,30 @@ async def test_the_authority_never_loads_the_embedding_model_its_workers_run(
     await until(lambda: host.own_state(MODEL).index.added == 6)
     assert sorted(int(v) for v in host.own_state(MODEL).index.recent(10)[0]) == list(range(4, 10))
     assert not host.embedder.loaded and host.embedder.dim == 384
+
+
+async def test_the_configured_embedding_backend_reaches_the_snapshot_and_the_workers(
+    start_emulator: StartEmulator, start_workers: StartWorkers, embedder: Embedder,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """`predictor.embed_backend` overrides the backend a snapshot was learnt with (the history
+    is kept), and the workers embed with the authority's choice."""
+    snapshot = tmp_path / "history.snapshot"
+    learnt = LengthPredictor(embedder=embedder)
+    learnt.observe_many(["One?", "Two?", "Three?"], [5, 6, 7])
+    learnt.save(snapshot)
+    assert LengthPredictor.snapshot_config(snapshot).embed_backend == "onnx-int8"
+    backend = await start_emulator(time_scale=0.01)
+    settings = {"snapshot_path": str(snapshot), "embed_backend": "onnx"}
+    workers = await start_workers([backend], policy="sagesched", load_predictor=True,
+                                  predictor_settings=settings)  # fmt: skip
+    prediction = workers.authority.prediction
+    assert prediction is not None and (host := prediction.local) is not None
+    assert host.config.embed_backend == "onnx" and host.embedder.backend == "onnx"
+    assert host.state(None).index.added == 3
+    for runner in workers.runners:
+        worker = runner.app[STATE].prediction.predictor
+        assert isinstance(worker, HostPredictor) and worker.config.embed_backend == "onnx"
 
 
 async def test_an_idle_worker_starts_jobs_on_the_global_distribution_it_keeps(

@@ -42,6 +42,10 @@ def test_env_backends_list() -> None:
         ({"backends": [{"url": "http://a"}], "preemption": "maybe"}, "true or false"),
         ({"backends": [{"url": "http://a"}, {"url": "http://a"}]}, "unique"),
         ({"backends": [{"url": "http://a"}], "queue_timeout_s": 0}, "queue_timeout_s"),
+        (
+            {"backends": [{"url": "http://a"}], "predictor": {"embed_backend": "gpu"}},
+            "predictor.embed_backend",
+        ),
     ],
 )
 def test_invalid_configs_name_the_key(data: dict[str, object], message: str) -> None:
