@@ -20,9 +20,9 @@ the same predictor:
           distill(model_name=sys.argv[1], pca_dims=256).save_pretrained(sys.argv[2])" $MINILM DIR
 
 For each prompt set of `--data` (SET-train.jsonl / SET-test.jsonl as `sagesched predictor
-build-dataset` writes them; MT-Bench is predicted from the ShareGPT history), the predictor
-learns the train file and scores the test file with its shipped settings (no CV), once per
-embedder; printed: Kendall τ of SageSched's admission key and of the rank score against the
+build-dataset` writes them; MT-Bench, and Alpaca as `alpaca_from_sharegpt`, are predicted from
+the ShareGPT history), the predictor learns the train file and scores the test file with its
+shipped settings (no CV), once per embedder; printed: Kendall τ of SageSched's admission key and of the rank score against the
 true length, MAE of the median, the change of the admission key's τ against the shipped
 embedder with its 95% interval (a paired bootstrap over the test prompts, `--resamples`: the
 same resampled prompts score both embedders), and the embedder's CPU time per prompt, one
@@ -55,8 +55,10 @@ from predictor.model import read_jsonl  # noqa: E402
 from predictor.offline import force_offline, model_path  # noqa: E402
 
 SETS = {"sharegpt": ("sharegpt", "sharegpt"), "alpaca": ("alpaca", "alpaca"),
-        "mt_bench": ("sharegpt", "mt_bench")}  # fmt: skip
-"""Set → (its train file's set, its test file's set)."""
+        "mt_bench": ("sharegpt", "mt_bench"),
+        "alpaca_from_sharegpt": ("sharegpt", "alpaca")}  # fmt: skip
+"""Set → (its train file's set, its test file's set). MT-Bench (60 test prompts) and Alpaca
+predicted from the ShareGPT history (1,000) are prompts of another kind than the history's."""
 STATIC = "model2vec-bench"
 SHIPPED = "MiniLM onnx-int8, 6 layers (shipped)"
 SHORT = [f"What is a good name for pet number {i} of mine?" for i in range(200)]
