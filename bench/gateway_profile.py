@@ -1,6 +1,7 @@
 """Where the gateway's CPU goes per request: a py-spy profile at an open-loop rate.
 
     python bench/gateway_profile.py [--policy sagesched] [--rate 40] [--seconds 20]
+    python bench/gateway_profile.py --streams 64     # closed loop: saturated, as gateway_overhead
 
 The setup of `gateway_cpu.py` (a zero-compute backend answering 16 streamed tokens, distinct
 short prompts, the gateway pinned to core 0, the backend and this client to core 1): after a
@@ -11,7 +12,9 @@ thread alone (exact). Each sample is put in the first matching part below (by th
 holds, innermost first), and a part's share of the samples is charged that share of the CPU
 per request: an estimate, since py-spy also samples a thread that waits for the core (the
 loop and the embedder's thread share core 0), which inflates the loop's parts. `--raw FILE`
-keeps py-spy's stacks.
+keeps py-spy's stacks. `--streams N` replaces the open loop by N closed-loop streams of
+distinct prompts (`gateway_overhead.py --distinct-prompts`, 16-token answers): the gateway's
+core saturated.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import gateway_overhead
 from gateway_cpu import BACKEND, PY, gateway, open_loop, thread_cpu_s, tree_cpu_s
 from gateway_overhead import process
 
@@ -65,7 +69,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--raw", default=None, help="keep py-spy's raw stacks here")
     ap.add_argument("--native", action="store_true", help="py-spy --native (C frames too)")
+    ap.add_argument("--streams", type=int, default=0, help="closed loop of N streams instead")
     args = ap.parse_args()
+    gateway_overhead.DISTINCT = True
+
+    def traffic(seconds: float) -> int:
+        if args.streams:
+            return asyncio.run(gateway_overhead.load(url, args.streams, 16, seconds))[1]
+        return asyncio.run(open_loop(url, args.rate, seconds))
+
     spy = shutil.which("py-spy") or str(Path(PY).with_name("py-spy"))
     if not Path(spy).exists():
         ap.error("needs py-spy (pip install py-spy)")
@@ -79,7 +91,7 @@ def main() -> None:
         gw_port, proxy = gateway(port, args.policy)()
         with proxy as pid:
             url = f"http://127.0.0.1:{gw_port}"
-            asyncio.run(open_loop(url, args.rate, 3.0))  # warm-up
+            traffic(3.0)  # warm-up
             time.sleep(2.0)
             raw = args.raw or str(Path(tmp) / "stacks.txt")
             recorder = subprocess.Popen(
@@ -89,7 +101,7 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             before, threads = tree_cpu_s(pid), thread_cpu_s(pid)
-            n = asyncio.run(open_loop(url, args.rate, args.seconds))
+            n = traffic(args.seconds)
             time.sleep(2.0)  # learning after the last responses
             cpu_ms = (tree_cpu_s(pid) - before) * 1000 / n
             after = thread_cpu_s(pid)
@@ -101,8 +113,9 @@ def main() -> None:
             if stack:
                 samples[part_of(stack.split(";"))] += int(count)
     total = sum(samples.values())
-    print(f"{args.policy}, {args.rate:g} req/s, {n} requests: {cpu_ms:.2f} CPU ms/request "
-          f"(with py-spy sampling), {total} samples")  # fmt: skip
+    load = f"{args.streams} streams" if args.streams else f"{args.rate:g} req/s"
+    print(f"{args.policy}, {load}, {n} requests in {args.seconds:g} s: {cpu_ms:.2f} CPU "
+          f"ms/request (with py-spy sampling), {total} samples")  # fmt: skip
     print(f"exact split: event-loop thread {loop_ms:.2f} ms/request, other threads (embedder, "
           f"worker pool) {cpu_ms - loop_ms:.2f} ms/request")  # fmt: skip
     print("| part | share of samples | ms/request |\n|---|---:|---:|")

@@ -111,6 +111,18 @@ class SageSched(Policy):
         return self.belief(job).mean() - job.generated
 
     def next_review(self, job: Job) -> int | None:
-        support = self.belief(job).support
-        i = int(np.searchsorted(support, job.generated, side="right"))
-        return math.ceil(support[i]) if i < support.size else None
+        """The first support point of the belief above `generated`, read off the predicted
+        support without building the belief (this runs at every review of every running job):
+        a point below the cap, else the cap itself (mass above it sits there), else, the job
+        having outlived them all, the overrun point "as long again" (`LengthDist.condition`)."""
+        assert job.dist is not None, "SageSched needs a predicted distribution"
+        support, generated = job.dist.support, job.generated
+        i = int(np.searchsorted(support, generated, side="right"))
+        point = float(support[i]) if i < support.size else math.inf
+        if job.max_tokens is not None and support[-1] > job.max_tokens:
+            point = min(point, max(1.0, float(job.max_tokens)))
+        if point <= generated:  # outlived the capped support
+            point = math.inf
+        if math.isinf(point):
+            point = max(2.0 * generated, generated + 1.0)
+        return math.ceil(point)

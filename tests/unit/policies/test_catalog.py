@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies import Job, LengthDist, Scheduler, make_policy, parse_policy, policy_names
 from policies.catalog.fastserve import FastServe
@@ -115,6 +119,27 @@ def test_sagesched_review_points_are_support_points() -> None:
     assert p.next_review(j) == 100
     j.generated = 1000
     assert p.next_review(j) == 2000  # overrun: the belief moves to "as long again"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    points=st.lists(st.integers(1, 5000), min_size=1, max_size=24, unique=True),
+    weights=st.lists(st.floats(0.01, 1.0), min_size=24, max_size=24),
+    generated=st.integers(0, 12000),
+    max_tokens=st.one_of(st.none(), st.integers(1, 6000)),
+)
+def test_sagesched_reviews_where_its_belief_has_its_next_support_point(
+    points: list[int], weights: list[float], generated: int, max_tokens: int | None
+) -> None:
+    """`next_review` reads the review point off the predicted support; it is the first point
+    above `generated` of the belief the key uses (capped at max_tokens, then conditioned)."""
+    p = make_policy("sagesched")
+    support = sorted(points)
+    j = job(1, dist=LengthDist(support, weights[: len(support)]), max_tokens=max_tokens)
+    j.generated = generated
+    belief = p.belief(j).support  # type: ignore[attr-defined]
+    want = next(math.ceil(x) for x in belief if x > generated)
+    assert p.next_review(j) == want
 
 
 def test_fastserve_skip_join_and_demotion_at_quantum_boundaries() -> None:
