@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--raw", default=None, help="keep py-spy's raw stacks here")
     ap.add_argument("--native", action="store_true", help="py-spy --native (C frames too)")
+    ap.add_argument("--gil", action="store_true", help="py-spy --gil: only the thread holding "
+                    "the GIL (no samples of a thread waiting for the core or the GIL)")  # fmt: skip
     ap.add_argument("--streams", type=int, default=0, help="closed loop of N streams instead")
     args = ap.parse_args()
     gateway_overhead.DISTINCT = True
@@ -97,7 +99,7 @@ def main() -> None:
             recorder = subprocess.Popen(
                 [spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
                  "--output", raw, "--duration", str(int(args.seconds) + 3), "--nonblocking",
-                 *(["--native"] if args.native else [])],
+                 *(["--native"] if args.native else []), *(["--gil"] if args.gil else [])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             before, threads = tree_cpu_s(pid), thread_cpu_s(pid)

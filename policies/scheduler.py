@@ -122,6 +122,11 @@ class Scheduler:
         self._review_at[job.id] = self.policy.next_review(job)
         return True
 
+    def review_at(self, job: Job) -> int | None:
+        """The generated-token count of a running job's next review (None: none, or not
+        running)."""
+        return self._review_at.get(job.id)
+
     def requeue(self, job: Job, now: float, *, preempted: bool) -> Key:
         """A running job goes back to waiting (preempted, or its backend failed)."""
         self._stop(job)

@@ -322,7 +322,7 @@ class Dispatcher:
         model = job.ctx.call.model
         sched = self._schedulers[model]
         if sched.progress(job, tokens, self._clock()):
-            slot.review_at = sched.policy.next_review(job)
+            slot.review_at = sched.review_at(job)
             self._consider_preemption(model)
 
     def _ended(self, slot: LocalSlot, attempt: Attempt, backend_down: bool) -> None:
@@ -464,7 +464,7 @@ class Dispatcher:
             # the key itself, not a rank among the jobs running now: vLLM compares it with
             # jobs granted earlier and later, and a rank means nothing across grants
             priority = sched.engine_priority(job, self._clock())
-        slot.review_at = sched.policy.next_review(job)
+        slot.review_at = sched.review_at(job)
         assert slot.future is not None and not slot.future.done()
         slot.future.set_result(Grant(backend, priority))
 
