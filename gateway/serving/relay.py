@@ -59,6 +59,11 @@ class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
+TEXT_FOLD_BYTES = 64 * 1024
+"""Token chunks a preemptible stream keeps unparsed at most (about 400 chunks): beyond it they
+are folded into its generated text."""
+
+
 @dataclass(slots=True)
 class StreamState:
     """What has reached the client so far, across preemption segments."""
@@ -68,7 +73,11 @@ class StreamState:
     """Keep the generated text: the request may be preempted and resumed as a continuation
     (`Dispatcher.may_preempt` and a continuable call), decided once per request."""
     text: str = ""
-    """Generated text so far (kept only with `keep_text`)."""
+    """Generated text of the chunks folded so far (see `generated_text`)."""
+    chunks: list[bytes] = field(default_factory=list)
+    """Token chunks relayed and not folded into `text` yet: a chunk's JSON is parsed only if
+    the request is preempted, or once `TEXT_FOLD_BYTES` of them wait (bounding the memory)."""
+    chunk_bytes: int = 0
     tokens: int = 0
     """Token chunks relayed so far (all segments)."""
     tokens_before: int = 0
@@ -78,6 +87,21 @@ class StreamState:
     usage: dict[str, Any] | None = field(default=None)
     usage_raw: bytes = b""
     """The backend's usage chunk as it came."""
+
+    def keep_chunk(self, payload: bytes) -> None:
+        """Keep a token chunk for the generated text (with `keep_text`)."""
+        self.chunks.append(payload)
+        self.chunk_bytes += len(payload)
+        if self.chunk_bytes > TEXT_FOLD_BYTES:
+            self.generated_text()
+
+    def generated_text(self) -> str:
+        """The generated text so far (all segments): what a continuation resumes from."""
+        if self.chunks:
+            self.text += "".join(_chunk_text(c) for c in self.chunks)
+            self.chunks.clear()
+            self.chunk_bytes = 0
+        return self.text
 
 
 class Relay:
@@ -178,7 +202,10 @@ class Relay:
         call = slot.job.ctx.call
         backend = grant.backend
         body = upstream_body(
-            call, priority=grant.priority, continuation=state.text, done_tokens=state.tokens
+            call,
+            priority=grant.priority,
+            continuation=state.generated_text(),
+            done_tokens=state.tokens,
         )
         try:
             resp = await self._session.post(
@@ -330,7 +357,7 @@ class Relay:
             return False
         if is_token:
             if state.keep_text:
-                state.text += _chunk_text(payload)
+                state.keep_chunk(payload)
             self._count_token(slot, state)
         return True
 

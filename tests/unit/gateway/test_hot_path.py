@@ -21,7 +21,7 @@ from gateway.observability.metrics import GatewayMetrics, RequestTrace, tenant_i
 from gateway.scheduling.backends import NO_METRICS_RETRY_S, BackendPool, read_sample
 from gateway.scheduling.dispatcher import Dispatcher, LocalSlot
 from gateway.serving.openai_api import parse_call
-from gateway.serving.relay import Relay, StreamState, _marked_events
+from gateway.serving.relay import TEXT_FOLD_BYTES, Relay, StreamState, _marked_events
 from policies import parse_policy
 
 MODEL = "m"
@@ -104,7 +104,7 @@ async def test_a_read_is_reported_to_the_slot_once(session: aiohttp.ClientSessio
         out, done = relay._events(slot, events, state)  # type: ignore[arg-type]
         assert not done and out == b"".join(e + b"\n\n" for e in events)
         assert slot.reports == [5] and local.job.generated == 5 == state.tokens
-        assert len(local.job.ctx.trace.gaps_s) == 4 and state.text == kept
+        assert len(local.job.ctx.trace.gaps_s) == 4 and state.generated_text() == kept
         out, done = relay._events(slot, [_chunk(None), b"data: [DONE]"], state)  # type: ignore[arg-type]
         assert done and slot.reports == [5]  # no token in that read: no report
         await local.__aexit__(None, None, None)
@@ -170,6 +170,23 @@ async def test_a_backend_without_metrics_is_scraped_rarely(
         await runner.cleanup()
 
 
+def test_a_kept_chunk_is_parsed_only_for_a_continuation_or_past_the_memory_bound() -> None:
+    """A preemptible stream keeps its token chunks as they came: their JSON is parsed when a
+    continuation needs the text, or once `TEXT_FOLD_BYTES` of them wait; the text is the
+    same either way."""
+    state = StreamState(keep_text=True)
+    for t in "abc":
+        state.keep_chunk(_chunk(t, 1)[6:])  # the payload, as `_event` gets it
+    assert state.text == "" and len(state.chunks) == 3  # nothing parsed yet
+    assert state.generated_text() == "abc" and not state.chunks
+    big = _chunk("x" * 1000, 1)[6:]
+    n = TEXT_FOLD_BYTES // len(big) + 1
+    for _ in range(n):
+        state.keep_chunk(big)
+    assert state.chunk_bytes <= TEXT_FOLD_BYTES and len(state.chunks) < n  # folded on the way
+    assert state.generated_text() == "abc" + "x" * 1000 * n
+
+
 @pytest.mark.parametrize("compact", [1, 0])
 async def test_bulk_events_relay_and_count_like_the_general_path(
     session: aiohttp.ClientSession, compact: int
@@ -192,7 +209,7 @@ async def test_bulk_events_relay_and_count_like_the_general_path(
         trace = local.job.ctx.trace
         assert trace.first_token is not None and len(trace.gaps_s) == 4
         assert state.usage == {"completion_tokens": 5, "prompt_tokens": 3}
-        assert state.text == ("ab{}cd" if keep_text else "")
+        assert state.generated_text() == ("ab{}cd" if keep_text else "")
         seen.append((out, state.tokens, state.usage_raw))
         # an event the bulk path does not take (a comment line) goes the general way
         out, done = relay._events(slot, [b": ping\n" + relayed[1]], state)  # type: ignore[arg-type]
