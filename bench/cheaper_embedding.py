@@ -22,12 +22,12 @@ the same predictor:
 For each prompt set of `--data` (SET-train.jsonl / SET-test.jsonl as `sagesched predictor
 build-dataset` writes them; MT-Bench, and Alpaca as `alpaca_from_sharegpt`, are predicted from
 the ShareGPT history), the predictor learns the train file and scores the test file with its
-shipped settings (no CV), once per embedder; printed: Kendall τ of SageSched's admission key and of the rank score against the
-true length, MAE of the median, the change of the admission key's τ against the shipped
-embedder with its 95% interval (a paired bootstrap over the test prompts, `--resamples`: the
-same resampled prompts score both embedders), and the embedder's CPU time per prompt, one
-prompt per call as the gateway embeds a new prompt (`--prompts` distinct test prompts, cache
-off) and for a short one-line question.
+shipped settings (no CV), once per embedder. Printed: Kendall τ of SageSched's admission key
+and of the rank score against the true length, MAE of the median, the change of the admission
+key's τ against the shipped embedder with its 95% interval (a paired bootstrap over the test
+prompts, `--resamples`: the same resampled prompts score both embedders), and the embedder's
+CPU time per prompt, one prompt per call as the gateway embeds a new prompt (`--prompts`
+distinct test prompts, cache off) and for a short one-line question.
 """
 
 from __future__ import annotations

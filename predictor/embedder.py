@@ -144,8 +144,8 @@ class Embedder:
         self._encoder: Encoder | None = None
         self.backend = backend
         self.path = folder
-        self.dim = declared_dim(folder) if lazy else 0
-        self.dim = self.dim or self._load().dim
+        self.dim = 0  # unknown until declared (lazy) or loaded; `_load` checks a declared one
+        self.dim = declared_dim(folder) if lazy else self._load().dim
         self.encode_batch_items = encode_batch_items
         self.cache = EmbeddingCache(cache_items)
         self._lock = threading.Lock()
@@ -155,13 +155,13 @@ class Embedder:
     def from_config(cls, config: PredictorConfig, *, lazy: bool = False) -> Embedder:
         """The embedder a `PredictorConfig` describes (backend, threads, batch, cache)."""
         return cls(
-            lazy=lazy,
             device=config.device,
             torch_threads=config.torch_threads,
             encode_batch_items=config.encode_batch_items,
             backend=config.embed_backend,
             cache_items=config.embed_cache_items,
             onnx_cache_dir=config.onnx_cache_dir,
+            lazy=lazy,
         )
 
     @property

@@ -289,7 +289,7 @@ class Relay:
     def _events(self, slot: Slot, events: list[bytes], state: StreamState) -> tuple[bytes, bool]:
         """Complete upstream SSE events → the bytes to relay, and whether `[DONE]` came.
         The slot hears of their tokens once, after the read."""
-        if not state.segments and not state.keep_text:
+        if not state.segments:
             bulk = self._bulk_events(slot, events, state)
             if bulk is not None:
                 return bulk
@@ -314,12 +314,12 @@ class Relay:
     def _bulk_events(
         self, slot: Slot, events: list[bytes], state: StreamState
     ) -> tuple[bytes, bool] | None:
-        """`_events` for the common case, in bulk: a first segment whose text is not kept
-        (no preemption possible), every event one `data: ` line, relayed as it came. The
-        empty-delta marks are searched once in the whole read (they are rare: the role and
-        the finish chunk), and token events arriving in one read are timed together (gaps of
-        0 between them). None, with nothing changed, when an event is not of that form (the
-        general path runs)."""
+        """`_events` for the common case, in bulk: a first segment (nothing of it dropped),
+        every event one `data: ` line, relayed as it came. The empty-delta marks are searched
+        once in the whole read (they are rare: the role and the finish chunk), token events
+        arriving in one read are timed together (gaps of 0 between them), and a preemptible
+        stream keeps them all unparsed (an empty delta adds no text). None, with nothing
+        changed, when an event is not of that form (the general path runs)."""
         keep: list[bytes] = []
         usage = None
         done = False
@@ -335,6 +335,9 @@ class Relay:
             keep.append(event)
         blob = b"\n\n".join(keep)
         tokens = len(keep) - _marked_events(blob, keep)
+        if state.keep_text:
+            for event in keep:
+                state.keep_chunk(event[6:])
         if usage is not None:
             self._event(slot, usage[6:].strip(), state)  # held back, read for its counts
         if tokens:

@@ -193,17 +193,19 @@ async def test_bulk_events_relay_and_count_like_the_general_path(
 ) -> None:
     """One read: the role chunk (empty content), 5 tokens (one of them the text `{}`), the
     finish chunk (empty delta), usage, `[DONE]` with trailing whitespace: 7 events relayed as
-    they came, 5 tokens counted, timed and reported once, usage held back and read. The
-    general path (taken when the text is kept) gives the same bytes and counts."""
+    they came, 5 tokens counted, timed and reported once, usage held back and read; with the
+    text kept (a preemptible stream), the text of the 5 tokens. The general path (taken when
+    an event is of another form, here a leading comment) gives the same bytes, counts and
+    text."""
     relayed = [_chunk("", compact), *(_chunk(t, compact) for t in ["a", "b", "{}", "c", "d"])]
     relayed.append(_chunk(None, compact))
     usage = b'data: {"choices":[],"usage":{"completion_tokens":5,"prompt_tokens":3}}'
     seen = []
-    for keep_text in (False, True):  # bulk, then the general path
+    for keep_text, lead in ((False, []), (True, []), (True, [b": ping"])):  # bulk, bulk, general
         relay, local = await _running(config(policy="fcfs"), session)
         slot = CountingSlot(local)
         state = StreamState(keep_text=keep_text)
-        out, done = relay._events(slot, [*relayed, usage, b"data: [DONE] "], state)  # type: ignore[arg-type]
+        out, done = relay._events(slot, [*lead, *relayed, usage, b"data: [DONE] "], state)  # type: ignore[arg-type]
         assert done and out == b"\n\n".join(relayed) + b"\n\n"
         assert slot.reports == [5] and state.tokens == 5 == local.job.generated
         trace = local.job.ctx.trace
@@ -214,8 +216,9 @@ async def test_bulk_events_relay_and_count_like_the_general_path(
         # an event the bulk path does not take (a comment line) goes the general way
         out, done = relay._events(slot, [b": ping\n" + relayed[1]], state)  # type: ignore[arg-type]
         assert not done and out == relayed[1] + b"\n\n" and state.tokens == 6
+        assert state.generated_text() == ("ab{}cda" if keep_text else "")
         await local.__aexit__(None, None, None)
-    assert seen[0] == seen[1]
+    assert seen[0] == seen[1] == seen[2]
 
 
 def test_marked_events_maps_marks_to_their_event() -> None:
