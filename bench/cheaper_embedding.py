@@ -49,7 +49,9 @@ from predictor.encoders import Embeddings, register  # noqa: E402
 from predictor.evaluate import (  # noqa: E402
     SemanticPredictor,
     fill_prompt_tokens,
+    rank_corr,
     scheduling_key,
+    score,
 )
 from predictor.model import read_jsonl  # noqa: E402
 from predictor.offline import force_offline, model_path  # noqa: E402
@@ -94,12 +96,6 @@ def first_layers(k: int, out: Path) -> Path:
     return out
 
 
-def kendall(x: np.ndarray, y: np.ndarray) -> float:
-    from scipy.stats import kendalltau
-
-    return float(kendalltau(x, y).statistic)
-
-
 def delta_interval(
     keys: np.ndarray, shipped: np.ndarray, truth: np.ndarray, resamples: int
 ) -> tuple[float, float]:
@@ -108,7 +104,8 @@ def delta_interval(
     deltas = []
     for _ in range(resamples):
         i = rng.integers(0, len(truth), len(truth))
-        deltas.append(kendall(keys[i], truth[i]) - kendall(shipped[i], truth[i]))
+        deltas.append(rank_corr("kendall", keys[i], truth[i])
+                      - rank_corr("kendall", shipped[i], truth[i]))  # fmt: skip
     lo, hi = np.percentile(deltas, [2.5, 97.5])
     return float(lo), float(hi)
 
@@ -150,7 +147,7 @@ def main() -> None:
         train = list(read_jsonl(Path(args.data) / f"{train_set}-train.jsonl"))
         test = list(read_jsonl(Path(args.data) / f"{test_set}-test.jsonl"))
         truth = np.array([float(r["output_tokens"]) for r in test])
-        shipped = np.zeros(0)
+        shipped, shipped_tau = np.zeros(0), 0.0
         for n, (label, embedder) in enumerate(embedders.items()):
             model = LengthPredictor(PredictorConfig(), embedder=embedder)
             for records in (train, test):
@@ -159,17 +156,17 @@ def main() -> None:
             semantic.fit(train)
             dists = semantic.predict(test)
             keys = np.array([scheduling_key(d) for d in dists])
-            rank_tau = kendall(np.asarray(semantic.rank_scores), truth)
-            mae = float(np.mean(np.abs(np.array([d.quantile(0.5) for d in dists]) - truth)))
+            scored = score(dists, truth)
+            tau, mae = scored["kendall_tau"], scored["mae_median"]
+            rank_tau = rank_corr("kendall", np.asarray(semantic.rank_scores), truth)
             if label == SHIPPED:
-                shipped, delta = keys, ""
+                shipped, shipped_tau, delta = keys, tau, ""
             else:
                 lo, hi = delta_interval(keys, shipped, truth, args.resamples)
-                d = kendall(keys, truth) - kendall(shipped, truth)
+                d = tau - shipped_tau
                 delta = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
             prompts = [model.text(r["prompt"]) for r in test[: args.prompts]]
             cpu, short = cpu_ms_per_prompt(embedder, prompts), cpu_ms_per_prompt(embedder, SHORT)
-            tau = kendall(keys, truth)
             print(f"| {s} | {len(test)} | {label} | {tau:.3f} | {delta} | {rank_tau:.3f} | "
                   f"{mae:.1f} | {cpu:.2f} | {short:.2f} |", flush=True)  # fmt: skip
 

@@ -181,7 +181,7 @@ class LengthDist:
         if i == 0:
             return self
         if i >= self.support.size:
-            return LengthDist.point(max(2.0 * generated, generated + 1.0))
+            return LengthDist.point(overrun_length(generated))
         return LengthDist._trusted(self.support[i:].copy(), self.probs[i:].copy())
 
     def truncate(self, max_tokens: float) -> LengthDist:
@@ -193,3 +193,9 @@ class LengthDist:
         support = np.append(self.support[below], cap)
         probs = np.append(self.probs[below], self.probs[~below].sum())
         return LengthDist._trusted(support, probs)
+
+
+def overrun_length(generated: float) -> float:
+    """The total length assumed for a job that has outlived every support point of its
+    prediction: as long again (`LengthDist.condition`)."""
+    return max(2.0 * generated, generated + 1.0)

@@ -56,7 +56,8 @@ def pinball(q: float, pred: NDArray[np.float64], truth: NDArray[np.float64]) -> 
     return float(np.mean(np.maximum(q * diff, (q - 1.0) * diff)))
 
 
-def _rank_corr(kind: str, x: NDArray[np.float64], y: NDArray[np.float64]) -> float:
+def rank_corr(kind: str, x: NDArray[np.float64], y: NDArray[np.float64]) -> float:
+    """Spearman's or Kendall's rank correlation of `x` with `y` (0 when either is constant)."""
     from scipy import stats
 
     if np.ptp(x) == 0 or np.ptp(y) == 0:
@@ -88,10 +89,10 @@ def score(
     key = np.array([scheduling_key(d) for d in dists])
     out = {
         "mae_median": float(np.mean(np.abs(qs[0.5] - y))),
-        "spearman": _rank_corr("spearman", mean, y),
-        "kendall_tau": _rank_corr("kendall", key, y),
-        "kendall_tau_median": _rank_corr("kendall", qs[0.5], y),
-        "kendall_tau_mean": _rank_corr("kendall", mean, y),
+        "spearman": rank_corr("spearman", mean, y),
+        "kendall_tau": rank_corr("kendall", key, y),
+        "kendall_tau_median": rank_corr("kendall", qs[0.5], y),
+        "kendall_tau_mean": rank_corr("kendall", mean, y),
         "coverage_10_90": float(np.mean((qs[0.1] <= y) & (y <= qs[0.9]))),
     }
     out.update({f"pinball_{q}": pinball(q, qs[q], y) for q in QUANTILES})
@@ -229,5 +230,5 @@ def evaluate(
         ranks = getattr(p, "rank_scores", None)
         if ranks:
             y = np.asarray(truth)
-            results[p.name]["kendall_tau_rank_score"] = _rank_corr("kendall", np.asarray(ranks), y)
+            results[p.name]["kendall_tau_rank_score"] = rank_corr("kendall", np.asarray(ranks), y)
     return results

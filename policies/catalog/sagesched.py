@@ -23,7 +23,7 @@ import numpy as np
 
 from policies.base import Key, Policy, engine_param, param
 from policies.cost import COST_MODELS, CostModel, LinearProfile, attained_cost, make_cost_model
-from policies.dist import LengthDist
+from policies.dist import LengthDist, overrun_length
 from policies.gittins import gittins_index
 from policies.job import Job
 from policies.registry import register_policy
@@ -121,8 +121,6 @@ class SageSched(Policy):
         point = float(support[i]) if i < support.size else math.inf
         if job.max_tokens is not None and support[-1] > job.max_tokens:
             point = min(point, max(1.0, float(job.max_tokens)))
-        if point <= generated:  # outlived the capped support
-            point = math.inf
-        if math.isinf(point):
-            point = max(2.0 * generated, generated + 1.0)
+        if point <= generated or math.isinf(point):  # outlived the (capped) support
+            point = overrun_length(generated)
         return math.ceil(point)
