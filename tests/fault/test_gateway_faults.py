@@ -205,6 +205,8 @@ async def test_chaos_every_request_ends_in_exactly_one_counted_state(
         max_retries=1,
     )
     n = 80
+    bad: list[int] = []
+    impatient: list[int] = []
 
     async def one(i: int, s: aiohttp.ClientSession) -> None:
         await asyncio.sleep(rng.random() * 2.0)
@@ -212,8 +214,10 @@ async def test_chaos_every_request_ends_in_exactly_one_counted_state(
         body: Any = chat(rng.randint(1, 300), stream=rng.random() < 0.8, content=f"req {i}")
         if kind < 0.1:
             body = {"model": "tiny-llama", "messages": "bad"}
+            bad.append(i)
         task = asyncio.create_task(send(s, gw.url, body))
         if kind > 0.8:  # impatient client
+            impatient.append(i)
             await asyncio.sleep(rng.random() * 0.5)
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -237,5 +241,13 @@ async def test_chaos_every_request_ends_in_exactly_one_counted_state(
     assert counted == n
     assert total(samples, "sagesched_queue_depth") == 0
     assert total(samples, "sagesched_backend_inflight") == 0
-    seen = {dict(ls)["outcome"] for ls in outcomes}
-    assert {"completed", "rejected", "upstream_broken"} <= seen and len(seen) >= 5  # real chaos
+    # Real chaos, judged only on what the mix guarantees: whether an impatient client leaves
+    # while its request waits or while it runs is a race, so neither is required on its own.
+    assert bad and total(samples, "sagesched_requests_total", outcome="rejected") == len(bad)
+    assert total(samples, "sagesched_requests_total", outcome="completed") > n / 2
+    assert total(samples, "sagesched_requests_total", outcome="upstream_broken") >= 1
+    cancelled = sum(
+        total(samples, "sagesched_requests_total", outcome=o)
+        for o in ("cancelled_waiting", "cancelled_running")
+    )
+    assert 1 <= cancelled <= len(impatient)
