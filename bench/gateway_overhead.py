@@ -26,6 +26,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -142,6 +143,7 @@ async def load(
     sent = itertools.count()
     ttfts: list[float] = []
     done = 0
+    failed: Counter[str] = Counter()
     stop = time.monotonic() + seconds
 
     async def worker(session: aiohttp.ClientSession) -> None:
@@ -152,18 +154,27 @@ async def load(
             payload = (
                 body if text is None else {**body, "messages": [{"role": "user", "content": text}]}
             )
-            async with session.post(url + "/v1/chat/completions", json=payload) as r:
-                first = True
-                async for line in r.content:
-                    if first and line.startswith(b"data: {"):
-                        ttfts.append(time.perf_counter() - t0)
-                        first = False
-                assert r.status == 200
+            try:
+                async with session.post(url + "/v1/chat/completions", json=payload) as r:
+                    first = True
+                    async for line in r.content:
+                        if first and line.startswith(b"data: {"):
+                            ttfts.append(time.perf_counter() - t0)
+                            first = False
+                    if r.status != 200:
+                        failed[f"HTTP {r.status}"] += 1
+                        continue
+            except aiohttp.ClientError as e:
+                failed[f"{type(e).__name__}: {e}"] += 1
+                continue
             done += 1
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    if failed:  # kept out of the figures, and said: a saturated run must not end in silence
+        print(f"{sum(failed.values())} of {sum(failed.values()) + done} requests failed: "
+              f"{dict(failed)}", file=sys.stderr)  # fmt: skip
     return ttfts, done
 
 

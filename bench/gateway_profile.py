@@ -100,7 +100,7 @@ def main() -> None:
                 [spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
                  "--output", raw, "--duration", str(int(args.seconds) + 3), "--nonblocking",
                  *(["--native"] if args.native else []), *(["--gil"] if args.gil else [])],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             before, threads = tree_cpu_s(pid), thread_cpu_s(pid)
             n = traffic(args.seconds)
@@ -108,7 +108,9 @@ def main() -> None:
             cpu_ms = (tree_cpu_s(pid) - before) * 1000 / n
             after = thread_cpu_s(pid)
             loop_ms = (after.get(pid, 0.0) - threads.get(pid, 0.0)) * 1000 / n
-            recorder.wait()
+            _, spy_err = recorder.communicate()
+        if recorder.returncode or not Path(raw).exists():
+            sys.exit(f"py-spy failed (exit {recorder.returncode}): {spy_err.strip()}")
         samples: Counter[str] = Counter()
         for line in Path(raw).read_text().splitlines():
             stack, _, count = line.rpartition(" ")
