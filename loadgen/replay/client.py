@@ -187,13 +187,13 @@ async def send(
             )
         async with opened as response:
             async for line in response.iter_lines():
-                if not line.startswith("data: {"):
+                data = line[5:].lstrip() if line.startswith("data:") else ""
+                if not data.startswith("{"):
                     continue  # blank separators, comments, [DONE]
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):  # an error event in an answer that had started
-                    raise openai.APIError(
-                        str(chunk["error"]), response.http_request, body=chunk["error"]
-                    )
+                chunk = json.loads(data)
+                if error := chunk.get("error"):  # an error event in an answer that had started
+                    message = error.get("message") if isinstance(error, dict) else None
+                    raise openai.APIError(str(message or error), response.http_request, body=error)
                 choices = chunk.get("choices")
                 if choices and _text(choices[0]):
                     t = now() - t0
