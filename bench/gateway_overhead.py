@@ -172,9 +172,8 @@ async def load(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-    if failed:  # kept out of the figures, and said: a saturated run must not end in silence
-        print(f"{sum(failed.values())} of {sum(failed.values()) + done} requests failed: "
-              f"{dict(failed)}", file=sys.stderr)  # fmt: skip
+    if n_failed := sum(failed.values()):  # kept out of the figures, and said
+        print(f"{n_failed} of {n_failed + done} requests failed: {dict(failed)}", file=sys.stderr)
     return ttfts, done
 
 
